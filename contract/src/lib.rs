@@ -1,0 +1,16 @@
+//! kvsnap's contract: a small language model with stateful KV.
+//!
+//! Prefill a long prompt prefix once, [`KvModel::snapshot`] its KV state, and per request
+//! restore it, [`KvModel::extend`] with the new tokens and [`KvModel::step`] a few times.
+//! Backends (the pure-Rust reference, IREE on CPU and Vulkan) implement [`KvModel`]; the
+//! parity tests prove that they agree within a [`Tolerance`].
+
+mod config;
+mod error;
+mod model;
+mod tolerance;
+
+pub use config::{LayerKind, ModelConfig, DEFAULT_CONTEXT_CAPACITY};
+pub use error::{Error, Result};
+pub use model::{argmax, check, KvModel, Logits, Next};
+pub use tolerance::Tolerance;

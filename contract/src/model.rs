@@ -1,0 +1,179 @@
+//! The `KvModel` trait: the stateful KV contract every backend implements.
+
+use crate::config::ModelConfig;
+use crate::error::{Error, Result};
+
+/// Whether an operation should also return the last position's logits.
+///
+/// The device path asks for [`Logits::Skip`]: only the argmax token leaves the backend. Parity
+/// checks and samplers ask for [`Logits::Return`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Logits {
+    #[default]
+    Skip,
+    Return,
+}
+
+/// The outcome of a prefill, extend or step: the greedy next token, and the logits that
+/// predicted it when asked for.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Next {
+    /// Argmax of the last position's logits (the lowest id wins a tie).
+    pub token: u32,
+    /// `[vocab]` logits of the last position, present iff [`Logits::Return`] was asked for.
+    pub logits: Option<Vec<f32>>,
+}
+
+/// A model that keeps per-sequence KV state between calls.
+///
+/// # The contract
+/// - `prefill(ids)` runs a fresh sequence and returns its KV state with the next token.
+/// - `prefill_embeddings(ids, rows)` is the same with the raw (unscaled) embedding rows gathered
+///   on the host, `[ids.len(), hidden]` row-major; the backend applies the `sqrt(hidden)` scale.
+///   `ids` give the sequence length and are validated like any other input.
+/// - `extend(kv, ids)` appends several tokens; `step(kv, id)` appends one.
+/// - `snapshot(kv)` returns an independent copy: operations on either never change the other.
+/// - `release(kv)` frees the state. Dropping a `Kv` frees it too; `release` exists so that a
+///   backend can report a failure to free (and so FFI layers have an explicit call).
+///
+/// Every operation returns the next greedy token of the last position, and that position's
+/// logits on request. Only the last position's logits are ever computed: no graph materialises
+/// `seq x vocab`.
+///
+/// Inputs are checked before anything changes: an operation that returns an input error (token
+/// out of range, empty input, context overflow, wrong shape) leaves `kv` exactly as it was.
+///
+/// `Kv` is owned and backend-specific, so using a released state is a compile error in Rust;
+/// FFI layers keep states in a handle table and turn stale handles into
+/// [`Error::StaleHandle`].
+///
+/// Optional capabilities have default bodies that return [`Error::Unsupported`].
+pub trait KvModel: Send + Sync {
+    /// Per-sequence KV state.
+    type Kv: Send;
+
+    /// The config the model was loaded with.
+    fn config(&self) -> &ModelConfig;
+
+    /// Short backend name for messages (`reference`, `iree-cpu`, ...).
+    fn backend(&self) -> &'static str;
+
+    /// Runs `ids` as a fresh sequence.
+    fn prefill(&self, ids: &[u32], logits: Logits) -> Result<(Self::Kv, Next)>;
+
+    /// Runs a fresh sequence from host-gathered raw embedding rows `[ids.len(), hidden]`.
+    fn prefill_embeddings(
+        &self,
+        ids: &[u32],
+        embeddings: &[f32],
+        logits: Logits,
+    ) -> Result<(Self::Kv, Next)> {
+        let _ = (ids, embeddings, logits);
+        Err(Error::Unsupported {
+            backend: self.backend(),
+            op: "prefill_embeddings",
+        })
+    }
+
+    /// Appends `ids` to the sequence.
+    fn extend(&self, kv: &mut Self::Kv, ids: &[u32], logits: Logits) -> Result<Next>;
+
+    /// Appends one token.
+    fn step(&self, kv: &mut Self::Kv, id: u32, logits: Logits) -> Result<Next> {
+        self.extend(kv, &[id], logits)
+    }
+
+    /// An independent copy of `kv`.
+    fn snapshot(&self, kv: &Self::Kv) -> Result<Self::Kv>;
+
+    /// Frees `kv`.
+    fn release(&self, kv: Self::Kv) -> Result<()> {
+        drop(kv);
+        Ok(())
+    }
+
+    /// Number of tokens cached in `kv`.
+    fn len(&self, kv: &Self::Kv) -> usize;
+
+    /// Bytes of memory `kv` holds.
+    fn kv_bytes(&self, kv: &Self::Kv) -> u64 {
+        self.config().kv_bytes(self.len(kv))
+    }
+}
+
+/// Input checks shared by every backend, so that all of them reject the same inputs with the
+/// same errors before touching any state.
+pub mod check {
+    use super::*;
+
+    /// Checks `ids` are non-empty, in vocab range and fit after `have` cached tokens.
+    pub fn tokens(cfg: &ModelConfig, op: &'static str, have: usize, ids: &[u32]) -> Result<()> {
+        if ids.is_empty() {
+            return Err(Error::EmptyInput { op });
+        }
+        if let Some((index, &token)) = ids
+            .iter()
+            .enumerate()
+            .find(|(_, &t)| t as usize >= cfg.vocab_size)
+        {
+            return Err(Error::TokenOutOfRange {
+                op,
+                token: token as i64,
+                index,
+                vocab: cfg.vocab_size,
+            });
+        }
+        if have + ids.len() > cfg.context_capacity {
+            return Err(Error::ContextOverflow {
+                op,
+                have,
+                adding: ids.len(),
+                capacity: cfg.context_capacity,
+            });
+        }
+        Ok(())
+    }
+
+    /// Checks raw embedding rows have shape `[n, hidden]`.
+    pub fn embeddings(cfg: &ModelConfig, op: &'static str, n: usize, rows: &[f32]) -> Result<()> {
+        if rows.len() != n * cfg.hidden_size {
+            let got = if rows.len() % cfg.hidden_size == 0 {
+                vec![rows.len() / cfg.hidden_size, cfg.hidden_size]
+            } else {
+                vec![rows.len()]
+            };
+            return Err(Error::ShapeMismatch {
+                op,
+                what: "embeddings",
+                expected: vec![n, cfg.hidden_size],
+                got,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Index of the largest value; the lowest index wins a tie, NaN never wins.
+pub fn argmax(values: &[f32]) -> u32 {
+    let mut best = 0;
+    let mut best_value = f32::NEG_INFINITY;
+    for (i, &v) in values.iter().enumerate() {
+        if v > best_value {
+            best = i;
+            best_value = v;
+        }
+    }
+    best as u32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn argmax_prefers_lowest_index_and_skips_nan() {
+        assert_eq!(argmax(&[1.0, 3.0, 3.0, 2.0]), 1);
+        assert_eq!(argmax(&[f32::NAN, -1.0, f32::NAN]), 1);
+        assert_eq!(argmax(&[-5.0]), 0);
+    }
+}

@@ -1,0 +1,1 @@
+//! IREE backend of kvsnap. Not implemented yet: see the IREE backend issue.

@@ -1,0 +1,1 @@
+//! JNI bridge of kvsnap. Not implemented yet: see the JNI issue.

@@ -1,0 +1,1 @@
+//! Golden sets and parity checks.
