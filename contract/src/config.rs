@@ -329,7 +329,10 @@ impl<F: Fn(String) -> Error> Parser<'_, F> {
             };
             let global = theta("full_attention")?;
             let local = theta("sliding_attention")?;
-            let f = factor(params.get("full_attention"), "rope_parameters.full_attention")?;
+            let f = factor(
+                params.get("full_attention"),
+                "rope_parameters.full_attention",
+            )?;
             return Ok((global, local, f));
         }
         let global = self.f64("rope_theta", Some(1_000_000.0))?;
@@ -392,24 +395,37 @@ mod tests {
         );
         let c = parse(&text).unwrap();
         assert_eq!(
-            (c.rope_theta_global, c.rope_theta_local, c.rope_linear_factor_global),
+            (
+                c.rope_theta_global,
+                c.rope_theta_local,
+                c.rope_linear_factor_global
+            ),
             (500.0, 7.0, 8.0)
         );
     }
 
     #[test]
     fn errors_name_the_problem() {
-        let e = parse(&GEMMA_270M.replace(r#""num_hidden_layers": 18"#, r#""num_hidden_layers": 17"#))
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("layer_types has 18 entries but num_hidden_layers is 17"), "{e}");
+        let e =
+            parse(&GEMMA_270M.replace(r#""num_hidden_layers": 18"#, r#""num_hidden_layers": 17"#))
+                .unwrap_err()
+                .to_string();
+        assert!(
+            e.contains("layer_types has 18 entries but num_hidden_layers is 17"),
+            "{e}"
+        );
         let e = parse(&GEMMA_270M.replace(r#""vocab_size": 262144"#, r#""vocab_size": -3"#))
             .unwrap_err()
             .to_string();
-        assert!(e.contains("`vocab_size` is not a non-negative integer"), "{e}");
-        let e = parse(&GEMMA_270M.replace(r#""num_key_value_heads": 1"#, r#""num_key_value_heads": 3"#))
-            .unwrap_err()
-            .to_string();
+        assert!(
+            e.contains("`vocab_size` is not a non-negative integer"),
+            "{e}"
+        );
+        let e = parse(
+            &GEMMA_270M.replace(r#""num_key_value_heads": 1"#, r#""num_key_value_heads": 3"#),
+        )
+        .unwrap_err()
+        .to_string();
         assert!(e.contains("not a multiple of num_key_value_heads 3"), "{e}");
         assert!(matches!(parse("[1,2]"), Err(Error::Config { .. })));
         assert!(matches!(parse("{"), Err(Error::Config { .. })));

@@ -26,9 +26,7 @@ pub enum Error {
     EmptyInput { op: &'static str },
 
     /// The KV state would grow past the model's context capacity.
-    #[error(
-        "{op}: context overflow: {have} tokens cached + {adding} new > capacity {capacity}"
-    )]
+    #[error("{op}: context overflow: {have} tokens cached + {adding} new > capacity {capacity}")]
     ContextOverflow {
         op: &'static str,
         have: usize,

@@ -17,7 +17,10 @@ pub struct Tolerance {
 
 impl Tolerance {
     /// 2e-3 absolute: the acceptance tolerance for logits against the oracle goldens.
-    pub const LOGITS: Tolerance = Tolerance { abs: 2e-3, rel: 0.0 };
+    pub const LOGITS: Tolerance = Tolerance {
+        abs: 2e-3,
+        rel: 0.0,
+    };
 
     /// An absolute-only tolerance.
     pub const fn abs(abs: f64) -> Self {
@@ -47,7 +50,10 @@ mod tests {
 
     #[test]
     fn formula() {
-        let t = Tolerance { abs: 1e-3, rel: 1e-2 };
+        let t = Tolerance {
+            abs: 1e-3,
+            rel: 1e-2,
+        };
         assert!(t.accepts(10.1, 10.0));
         assert!(!t.accepts(10.2, 10.0));
         assert!(Tolerance::LOGITS.accepts(1.0019, 1.0));

@@ -1,5 +1,15 @@
-//! kvsnap's pure-Rust CPU reference backend.
+//! kvsnap's pure-Rust CPU reference backend: Gemma 3 with transformers' numerics, explicit
+//! KV state (global layers in full, sliding layers as rings of their window), the LM head
+//! computed for the last position only.
 
+pub mod attention;
+pub mod blocks;
+pub mod kernels;
+pub mod kv;
+pub mod model;
+pub mod rope;
 pub mod weights;
 
-pub use weights::{write_safetensors, TensorOut, Weights};
+pub use kv::ReferenceKv;
+pub use model::ReferenceModel;
+pub use weights::{write_safetensors, Tensor, TensorOut, Weights};

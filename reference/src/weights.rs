@@ -2,7 +2,9 @@
 
 use std::collections::BTreeMap;
 use std::fs::File;
+use std::ops::Deref;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use kvsnap_contract::{Error, Result};
 use memmap2::Mmap;
@@ -13,9 +15,64 @@ use safetensors::{Dtype, SafeTensors};
 /// F32 tensors are served straight from the mapping; BF16 and F16 are widened to f32 on read.
 pub struct Weights {
     path: PathBuf,
-    // Field order matters: `tensors` borrows from `mmap` (see `new`), so it must drop first.
+    // Field order matters: `tensors` borrows from `mmap` (see `open`), so it must drop first.
     tensors: SafeTensors<'static>,
-    _mmap: Mmap,
+    mmap: Arc<Mmap>,
+}
+
+/// A read-only f32 tensor: a zero-copy view into the memory-mapped weights file when the file
+/// stores f32 at an aligned offset, an owned buffer otherwise (BF16/F16 widened on load).
+pub struct Tensor {
+    storage: Storage,
+    shape: Vec<usize>,
+}
+
+enum Storage {
+    Mapped {
+        mmap: Arc<Mmap>,
+        offset: usize,
+        len: usize,
+    },
+    Owned(Vec<f32>),
+}
+
+impl Tensor {
+    /// An owned tensor; `data.len()` must equal the product of `shape`.
+    pub fn owned(data: Vec<f32>, shape: Vec<usize>) -> Self {
+        debug_assert_eq!(data.len(), shape.iter().product::<usize>());
+        Tensor {
+            storage: Storage::Owned(data),
+            shape,
+        }
+    }
+
+    /// The tensor's shape (HF layout, row-major).
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    /// Whether the data is served straight from the memory-mapped file.
+    pub fn is_mapped(&self) -> bool {
+        matches!(self.storage, Storage::Mapped { .. })
+    }
+}
+
+impl Deref for Tensor {
+    type Target = [f32];
+
+    fn deref(&self) -> &[f32] {
+        match &self.storage {
+            Storage::Mapped { mmap, offset, len } => {
+                // SAFETY: `offset` is 4-byte aligned and `offset + 4 * len` lies inside the
+                // mapping (checked when the tensor was created); the mapping is read-only and
+                // lives as long as `self` through the Arc. f32 has no invalid bit patterns.
+                unsafe {
+                    std::slice::from_raw_parts(mmap.as_ptr().add(*offset) as *const f32, *len)
+                }
+            }
+            Storage::Owned(v) => v,
+        }
+    }
 }
 
 impl Weights {
@@ -36,7 +93,7 @@ impl Weights {
         Ok(Weights {
             path: path.to_path_buf(),
             tensors,
-            _mmap: mmap,
+            mmap: Arc::new(mmap),
         })
     }
 
@@ -55,7 +112,31 @@ impl Weights {
         self.tensors.tensor(name).ok().map(|t| t.shape().to_vec())
     }
 
-    /// Reads tensor `name` as f32, checking it has `shape`.
+    /// Tensor `name` as f32, checked to have `shape`; zero-copy for aligned little-endian f32
+    /// data.
+    pub fn tensor(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
+        if let Ok(view) = self.tensors.tensor(name) {
+            let data = view.data();
+            let offset = data.as_ptr() as usize - self.mmap.as_ptr() as usize;
+            if view.dtype() == Dtype::F32
+                && view.shape() == shape
+                && offset % 4 == 0
+                && cfg!(target_endian = "little")
+            {
+                return Ok(Tensor {
+                    storage: Storage::Mapped {
+                        mmap: self.mmap.clone(),
+                        offset,
+                        len: data.len() / 4,
+                    },
+                    shape: shape.to_vec(),
+                });
+            }
+        }
+        Ok(Tensor::owned(self.f32(name, shape)?, shape.to_vec()))
+    }
+
+    /// Reads tensor `name` into an owned f32 vector, checking it has `shape`.
     pub fn f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
         let mismatch = |problem: String| Error::WeightsMismatch {
             path: self.path.clone(),

@@ -1,0 +1,278 @@
+//! Numeric kernels of the forward pass: small free functions, output first, each with a naive
+//! version beside it that serves as its test oracle.
+
+use rayon::prelude::*;
+
+/// `out[n, o] = x[n, i] . w[o, i]^T`: a batch of rows times an HF `[out, in]` weight.
+///
+/// Blocked SIMD GEMM from the `gemm` crate, parallel over rayon's pool.
+///
+/// # Shapes
+/// `out`: `[n, o]`, `x`: `[n, i]`, `w`: `[o, i]`.
+pub fn matmul(out: &mut [f32], x: &[f32], w: &[f32], n: usize, i: usize, o: usize) {
+    assert_eq!(out.len(), n * o, "matmul: out");
+    assert_eq!(x.len(), n * i, "matmul: x");
+    assert_eq!(w.len(), o * i, "matmul: w");
+    if n == 0 || o == 0 {
+        return;
+    }
+    if n == 1 {
+        return matvec(out, x, w, i, o);
+    }
+    // SAFETY: the three buffers have the asserted lengths, and the strides below address
+    // exactly `[n, o]`, `[n, i]` and the transpose of `[o, i]` (column stride `i`).
+    unsafe {
+        gemm::gemm(
+            n,
+            o,
+            i,
+            out.as_mut_ptr(),
+            1,
+            o as isize,
+            false,
+            x.as_ptr(),
+            1,
+            i as isize,
+            w.as_ptr(),
+            i as isize,
+            1,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
+            gemm::Parallelism::Rayon(0),
+        );
+    }
+}
+
+/// `out[o] = w[o, i] . x[i]`: weight-stationary matrix-vector product for decode.
+///
+/// Each weight row is read once, in order, by one core; rows are split into cache-sized
+/// blocks across rayon's pool.
+pub fn matvec(out: &mut [f32], x: &[f32], w: &[f32], i: usize, o: usize) {
+    assert_eq!(out.len(), o, "matvec: out");
+    assert_eq!(x.len(), i, "matvec: x");
+    assert_eq!(w.len(), o * i, "matvec: w");
+    const ROWS: usize = 64;
+    out.par_chunks_mut(ROWS)
+        .zip(w.par_chunks(ROWS * i))
+        .for_each(|(out, w)| {
+            for (o, row) in out.iter_mut().zip(w.chunks_exact(i)) {
+                *o = dot(row, x);
+            }
+        });
+}
+
+/// Naive oracle of [`matmul`] with f64 accumulation.
+pub fn matmul_naive(out: &mut [f32], x: &[f32], w: &[f32], n: usize, i: usize, o: usize) {
+    for r in 0..n {
+        for c in 0..o {
+            let mut acc = 0.0f64;
+            for k in 0..i {
+                acc += x[r * i + k] as f64 * w[c * i + k] as f64;
+            }
+            out[r * o + c] = acc as f32;
+        }
+    }
+}
+
+/// Dot product with eight independent accumulators, so that it vectorises.
+#[inline]
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    debug_assert_eq!(a.len(), b.len());
+    let mut acc = [0.0f32; 8];
+    let (ac, ar) = a.split_at(a.len() / 8 * 8);
+    let (bc, br) = b.split_at(ac.len());
+    for (x, y) in ac.chunks_exact(8).zip(bc.chunks_exact(8)) {
+        for k in 0..8 {
+            acc[k] += x[k] * y[k];
+        }
+    }
+    let mut tail = 0.0;
+    for (x, y) in ar.iter().zip(br) {
+        tail += x * y;
+    }
+    (acc[0] + acc[4]) + (acc[1] + acc[5]) + (acc[2] + acc[6]) + (acc[3] + acc[7]) + tail
+}
+
+/// `out = x * rsqrt(mean(x^2) + eps) * (1 + w)` row by row, in f32 as transformers'
+/// `Gemma3RMSNorm` computes it. `w` is the HF weight (not `1 + w`).
+///
+/// # Shapes
+/// `out`, `x`: `[rows, dim]`; `w`: `[dim]`.
+pub fn rms_norm(out: &mut [f32], x: &[f32], w: &[f32], eps: f32) {
+    let dim = w.len();
+    assert_eq!(out.len(), x.len(), "rms_norm: out");
+    assert_eq!(x.len() % dim, 0, "rms_norm: x");
+    for (o, x) in out.chunks_exact_mut(dim).zip(x.chunks_exact(dim)) {
+        let mean = dot(x, x) / dim as f32;
+        let inv = 1.0 / (mean + eps).sqrt();
+        for ((o, &x), &w) in o.iter_mut().zip(x).zip(w) {
+            *o = x * inv * (1.0 + w);
+        }
+    }
+}
+
+/// In-place [`rms_norm`].
+pub fn rms_norm_inplace(x: &mut [f32], w: &[f32], eps: f32) {
+    let dim = w.len();
+    for x in x.chunks_exact_mut(dim) {
+        let mean = dot(x, x) / dim as f32;
+        let inv = 1.0 / (mean + eps).sqrt();
+        for (x, &w) in x.iter_mut().zip(w) {
+            *x = *x * inv * (1.0 + w);
+        }
+    }
+}
+
+/// Naive oracle of [`rms_norm`] in f64.
+pub fn rms_norm_naive(out: &mut [f32], x: &[f32], w: &[f32], eps: f32) {
+    let dim = w.len();
+    for (o, x) in out.chunks_exact_mut(dim).zip(x.chunks_exact(dim)) {
+        let mean = x.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / dim as f64;
+        let inv = 1.0 / (mean + eps as f64).sqrt();
+        for k in 0..dim {
+            o[k] = (x[k] as f64 * inv * (1.0 + w[k] as f64)) as f32;
+        }
+    }
+}
+
+/// GELU with the tanh approximation (`gelu_pytorch_tanh`).
+#[inline]
+pub fn gelu_tanh(x: f32) -> f32 {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    0.5 * x * (1.0 + (SQRT_2_OVER_PI * (x + 0.044715 * x * x * x)).tanh())
+}
+
+/// `gate = gelu_tanh(gate) * up`, element-wise (the GeGLU of Gemma's MLP).
+pub fn geglu(gate: &mut [f32], up: &[f32]) {
+    assert_eq!(gate.len(), up.len(), "geglu");
+    gate.par_chunks_mut(4096)
+        .zip(up.par_chunks(4096))
+        .for_each(|(g, u)| {
+            for (g, &u) in g.iter_mut().zip(u) {
+                *g = gelu_tanh(*g) * u;
+            }
+        });
+}
+
+/// In-place softmax in f32 with max subtraction.
+pub fn softmax(x: &mut [f32]) {
+    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0.0f32;
+    for v in x.iter_mut() {
+        *v = (*v - max).exp();
+        sum += *v;
+    }
+    let inv = 1.0 / sum;
+    for v in x.iter_mut() {
+        *v *= inv;
+    }
+}
+
+/// `out += x`, element-wise (residual connections).
+pub fn add_inplace(out: &mut [f32], x: &[f32]) {
+    assert_eq!(out.len(), x.len(), "add_inplace");
+    for (o, &x) in out.iter_mut().zip(x) {
+        *o += x;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Deterministic values in [-1, 1).
+    pub(crate) fn values(n: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0, f32::max)
+    }
+
+    #[test]
+    fn matmul_matches_naive_for_model_shapes() {
+        for &(n, i, o) in &[
+            (1, 640, 1024),
+            (7, 640, 256),
+            (33, 256, 640),
+            (1, 2048, 640),
+            (5, 3, 1),
+        ] {
+            let x = values(n * i, 1);
+            let w = values(o * i, 2);
+            let mut fast = vec![0.0; n * o];
+            let mut slow = vec![0.0; n * o];
+            matmul(&mut fast, &x, &w, n, i, o);
+            matmul_naive(&mut slow, &x, &w, n, i, o);
+            // f32 accumulation over i terms of size <= 1: error bound ~ i * eps.
+            let bound = i as f32 * 1.2e-7 * 4.0;
+            assert!(
+                max_diff(&fast, &slow) < bound,
+                "{n}x{i}x{o}: {}",
+                max_diff(&fast, &slow)
+            );
+        }
+    }
+
+    #[test]
+    fn rms_norm_matches_naive_and_uses_one_plus_w() {
+        let x = values(3 * 640, 3);
+        let w = values(640, 4);
+        let (mut fast, mut slow) = (vec![0.0; x.len()], vec![0.0; x.len()]);
+        rms_norm(&mut fast, &x, &w, 1e-6);
+        rms_norm_naive(&mut slow, &x, &w, 1e-6);
+        assert!(max_diff(&fast, &slow) < 1e-5);
+        let mut inplace = x.clone();
+        rms_norm_inplace(&mut inplace, &w, 1e-6);
+        assert_eq!(inplace, fast);
+        // w = 0 gives a unit-RMS row: [3, 4] has mean square 12.5.
+        let mut out = [0.0; 2];
+        rms_norm(&mut out, &[3.0, 4.0], &[0.0, 1.0], 0.0);
+        let r = 12.5f32.sqrt();
+        assert_eq!(out, [3.0 / r, 2.0 * 4.0 / r]);
+    }
+
+    #[test]
+    fn gelu_tanh_known_values() {
+        // torch.nn.functional.gelu(x, approximate="tanh") for x = 1, -1, 3.
+        assert!((gelu_tanh(1.0) - 0.841_192).abs() < 1e-6);
+        assert!((gelu_tanh(-1.0) + 0.158_808).abs() < 1e-6);
+        assert!((gelu_tanh(3.0) - 2.996_363).abs() < 1e-6);
+        assert_eq!(gelu_tanh(0.0), 0.0);
+    }
+
+    #[test]
+    fn softmax_sums_to_one_and_is_shift_invariant() {
+        let mut a = vec![1.0, 2.0, 3.0];
+        let mut b = vec![1001.0, 1002.0, 1003.0];
+        softmax(&mut a);
+        softmax(&mut b);
+        assert!((a.iter().sum::<f32>() - 1.0).abs() < 1e-6);
+        assert!(max_diff(&a, &b) < 1e-6);
+        assert!((a[2] - 0.665_240_9).abs() < 1e-6);
+    }
+
+    #[test]
+    fn dot_handles_tails() {
+        for n in [0, 1, 7, 8, 9, 31] {
+            let a = values(n, 5);
+            let b = values(n, 6);
+            let want: f64 = a.iter().zip(&b).map(|(x, y)| *x as f64 * *y as f64).sum();
+            assert!((dot(&a, &b) as f64 - want).abs() < 1e-5, "n={n}");
+        }
+    }
+}

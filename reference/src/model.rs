@@ -1,0 +1,163 @@
+//! `ReferenceModel`: the Gemma 3 forward pass behind the `KvModel` contract.
+
+use std::path::Path;
+
+use kvsnap_contract::{argmax, check, Error, KvModel, Logits, ModelConfig, Next, Result};
+
+use crate::blocks::{DecoderLayer, RmsNorm};
+use crate::kernels::matvec;
+use crate::kv::ReferenceKv;
+use crate::weights::{Tensor, Weights};
+
+/// Gemma 3 text model on the CPU, immutable after loading; KV state is passed in explicitly.
+pub struct ReferenceModel {
+    cfg: ModelConfig,
+    embed_tokens: Tensor, // [vocab, hidden], also the tied LM head
+    layers: Vec<DecoderLayer>,
+    norm: RmsNorm, // [hidden]
+}
+
+impl ReferenceModel {
+    /// Loads `config.json` and `model.safetensors` from an HF checkpoint directory, with the
+    /// default context capacity.
+    pub fn load(dir: &Path) -> Result<Self> {
+        let cfg = ModelConfig::from_file(&dir.join("config.json"))?;
+        Self::load_config(dir, cfg)
+    }
+
+    /// Like [`ReferenceModel::load`], with `capacity` tokens of context per KV state.
+    pub fn load_with_capacity(dir: &Path, capacity: usize) -> Result<Self> {
+        let path = dir.join("config.json");
+        let cfg = ModelConfig::from_file(&path)?
+            .with_context_capacity(capacity)
+            .map_err(|problem| Error::Config { path, problem })?;
+        Self::load_config(dir, cfg)
+    }
+
+    /// Loads the weights of `dir/model.safetensors` for an already parsed `cfg`.
+    pub fn load_config(dir: &Path, cfg: ModelConfig) -> Result<Self> {
+        let w = Weights::open(&dir.join("model.safetensors"))?;
+        let embed_tokens = w.tensor(
+            "model.embed_tokens.weight",
+            &[cfg.vocab_size, cfg.hidden_size],
+        )?;
+        let layers = (0..cfg.num_layers())
+            .map(|i| DecoderLayer::load(&cfg, &w, i))
+            .collect::<Result<Vec<_>>>()?;
+        let norm = RmsNorm::load(&w, "model.norm", cfg.hidden_size, cfg.rms_norm_eps)?;
+        Ok(ReferenceModel {
+            cfg,
+            embed_tokens,
+            layers,
+            norm,
+        })
+    }
+
+    /// Raw (unscaled) embedding rows of `ids`: what a host gathers for `prefill_embeddings`.
+    ///
+    /// # Shapes
+    /// returns `[ids.len(), hidden]`.
+    pub fn embedding_rows(&self, ids: &[u32]) -> Result<Vec<f32>> {
+        check::tokens(&self.cfg, "embedding_rows", 0, ids)?;
+        let h = self.cfg.hidden_size;
+        Ok(ids
+            .iter()
+            .flat_map(|&id| &self.embed_tokens[id as usize * h..(id as usize + 1) * h])
+            .copied()
+            .collect())
+    }
+
+    /// Runs the chunk whose raw embedding rows are `rows` at the end of `kv`.
+    ///
+    /// # Shapes
+    /// `rows`: `[n, hidden]`, unscaled.
+    fn forward(&self, kv: &mut ReferenceKv, mut x: Vec<f32>, logits: Logits) -> Next {
+        let scale = self.cfg.embed_scale();
+        x.iter_mut().for_each(|v| *v *= scale);
+        let pos0 = kv.len;
+        for (layer, layer_kv) in self.layers.iter().zip(&mut kv.layers) {
+            layer.forward(&mut x, pos0, layer_kv);
+        }
+        kv.len += x.len() / self.cfg.hidden_size;
+        self.head(&x[x.len() - self.cfg.hidden_size..], logits)
+    }
+
+    /// Final norm and tied LM head of one position.
+    fn head(&self, last: &[f32], want: Logits) -> Next {
+        let mut h = vec![0.0; last.len()];
+        self.norm.forward(&mut h, last);
+        let mut logits = vec![0.0; self.cfg.vocab_size];
+        matvec(
+            &mut logits,
+            &h,
+            &self.embed_tokens,
+            self.cfg.hidden_size,
+            self.cfg.vocab_size,
+        );
+        if let Some(cap) = self.cfg.final_logit_softcapping {
+            let cap = cap as f32;
+            logits.iter_mut().for_each(|v| *v = (*v / cap).tanh() * cap);
+        }
+        Next {
+            token: argmax(&logits),
+            logits: (want == Logits::Return).then_some(logits),
+        }
+    }
+}
+
+impl KvModel for ReferenceModel {
+    type Kv = ReferenceKv;
+
+    fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    fn backend(&self) -> &'static str {
+        "reference"
+    }
+
+    fn prefill(&self, ids: &[u32], logits: Logits) -> Result<(ReferenceKv, Next)> {
+        check::tokens(&self.cfg, "prefill", 0, ids)?;
+        let rows = self.embedding_rows(ids)?;
+        let mut kv = ReferenceKv::new(&self.cfg);
+        let next = self.forward(&mut kv, rows, logits);
+        Ok((kv, next))
+    }
+
+    fn prefill_embeddings(
+        &self,
+        ids: &[u32],
+        embeddings: &[f32],
+        logits: Logits,
+    ) -> Result<(ReferenceKv, Next)> {
+        check::tokens(&self.cfg, "prefill_embeddings", 0, ids)?;
+        check::embeddings(&self.cfg, "prefill_embeddings", ids.len(), embeddings)?;
+        let mut kv = ReferenceKv::new(&self.cfg);
+        let next = self.forward(&mut kv, embeddings.to_vec(), logits);
+        Ok((kv, next))
+    }
+
+    fn extend(&self, kv: &mut ReferenceKv, ids: &[u32], logits: Logits) -> Result<Next> {
+        check::tokens(&self.cfg, "extend", kv.len, ids)?;
+        let rows = self.embedding_rows(ids)?;
+        Ok(self.forward(kv, rows, logits))
+    }
+
+    fn step(&self, kv: &mut ReferenceKv, id: u32, logits: Logits) -> Result<Next> {
+        check::tokens(&self.cfg, "step", kv.len, &[id])?;
+        let rows = self.embedding_rows(&[id])?;
+        Ok(self.forward(kv, rows, logits))
+    }
+
+    fn snapshot(&self, kv: &ReferenceKv) -> Result<ReferenceKv> {
+        Ok(kv.clone())
+    }
+
+    fn len(&self, kv: &ReferenceKv) -> usize {
+        kv.len
+    }
+
+    fn kv_bytes(&self, kv: &ReferenceKv) -> u64 {
+        kv.bytes()
+    }
+}
