@@ -1,5 +1,6 @@
 //! One module per subcommand; each has clap `Args` and `run`.
 
+pub mod backend;
 pub mod demo;
 pub mod fetch;
 pub mod parity;
