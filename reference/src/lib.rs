@@ -8,6 +8,7 @@ pub mod kernels;
 pub mod kv;
 pub mod model;
 pub mod rope;
+pub mod tiny;
 pub mod weights;
 
 pub use kv::ReferenceKv;
