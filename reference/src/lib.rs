@@ -4,6 +4,7 @@
 
 pub mod attention;
 pub mod blocks;
+pub mod gguf;
 pub mod kernels;
 pub mod kv;
 pub mod model;
