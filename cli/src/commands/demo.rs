@@ -109,15 +109,13 @@ fn serve<M: KvModel>(model: &M, case: &Case, args: &Args) -> anyhow::Result<Exit
         let mut next = model.extend(&mut kv, turn, Logits::Return)?;
         let extend_s = t1.elapsed().as_secs_f64();
         let mut check = TurnCheck::new(tol);
-        let mut pos = case.ids.len() - 1;
         let t2 = Instant::now();
         for (s, &want) in case.greedy.iter().enumerate() {
-            check.position(case, pos, &next);
+            check.position(case, case.ids.len() - 1 + s, &next);
             // Teacher forcing: always feed the oracle's token (a mismatch above is recorded).
             if s + 1 < case.greedy.len() {
                 next = model.step(&mut kv, want, Logits::Return)?;
             }
-            pos += 1;
         }
         let decode_s = t2.elapsed().as_secs_f64();
         model.release(kv)?;
