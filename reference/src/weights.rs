@@ -204,15 +204,10 @@ pub fn write_safetensors(
             });
         }
     }
-    let bytes: Vec<Vec<u8>> = tensors
-        .iter()
-        .map(|t| t.data.iter().flat_map(|x| x.to_le_bytes()).collect())
-        .collect();
     let views = tensors
         .iter()
-        .zip(&bytes)
-        .map(|(t, b)| {
-            safetensors::tensor::TensorView::new(Dtype::F32, t.shape.clone(), b)
+        .map(|t| {
+            safetensors::tensor::TensorView::new(Dtype::F32, t.shape.clone(), le_bytes(&t.data))
                 .map(|v| (t.name.clone(), v))
         })
         .collect::<std::result::Result<Vec<_>, _>>()
@@ -229,4 +224,12 @@ pub fn write_safetensors(
         problem: e.to_string(),
     })?;
     std::fs::rename(&tmp, path).map_err(|e| Error::io(path, e))
+}
+
+/// The little-endian bytes of `data`, without a copy.
+#[cfg(target_endian = "little")]
+fn le_bytes(data: &[f32]) -> &[u8] {
+    // SAFETY: f32 has no padding, u8 has alignment 1, and the length covers exactly the same
+    // memory; on a little-endian target the in-memory bytes are the little-endian encoding.
+    unsafe { std::slice::from_raw_parts(data.as_ptr() as *const u8, std::mem::size_of_val(data)) }
 }
