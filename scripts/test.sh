@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The whole test suite: set up (idempotent, includes the real model), lint, run every test in
+# release with the real model required, then the golden parity runs through the CLI.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+source "$ROOT/scripts/setup.sh"
+cd "$ROOT"
+
+echo "== format and lints"
+cargo fmt --all -- --check
+cargo clippy --release --workspace --all-targets -- -D warnings
+
+echo "== cargo test (release, real model required)"
+export KVSNAP_REQUIRE_MODEL=1
+export KVSNAP_MODEL_DIR="$ROOT/models/gemma-3-270m"
+cargo test --release --workspace
+
+echo "== parity: tiny model goldens"
+TINY="$ROOT/target/kvsnap-tiny"
+"$KVSNAP" tiny-model --out "$TINY"
+"$KVSNAP" parity --model "$TINY" --goldens goldens/tiny.json --backend reference
+
+echo "== parity: real model, visible oracle goldens"
+"$KVSNAP" parity --model models/gemma-3-270m --goldens goldens/gemma-3-270m.visible.json --backend reference
+echo "test.sh: all passed"
