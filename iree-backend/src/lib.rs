@@ -1,1 +1,4 @@
 //! IREE backend of kvsnap. Not implemented yet: see the IREE backend issue.
+
+pub mod emit;
+pub mod graphs;

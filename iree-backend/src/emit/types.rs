@@ -1,0 +1,112 @@
+//! The types of the emitter: element types, ranked tensor types and SSA values.
+
+use std::fmt;
+
+/// Element type of a tensor.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ElemType {
+    /// 32-bit float.
+    F32,
+    /// 32-bit signless integer (compared as signed).
+    I32,
+    /// Boolean (comparison results, masks).
+    I1,
+}
+
+impl ElemType {
+    /// The MLIR spelling: `f32`, `i32`, `i1`.
+    pub fn mlir(self) -> &'static str {
+        match self {
+            ElemType::F32 => "f32",
+            ElemType::I32 => "i32",
+            ElemType::I1 => "i1",
+        }
+    }
+}
+
+/// A statically shaped tensor type, `tensor<2x3xf32>`; no dims is a scalar `tensor<f32>`.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct TensorType {
+    pub dims: Vec<usize>,
+    pub elem: ElemType,
+}
+
+impl TensorType {
+    /// A tensor of `dims` with element type `elem`.
+    pub fn new(dims: &[usize], elem: ElemType) -> Self {
+        TensorType {
+            dims: dims.to_vec(),
+            elem,
+        }
+    }
+
+    /// `tensor<dims x f32>`.
+    pub fn f32(dims: &[usize]) -> Self {
+        Self::new(dims, ElemType::F32)
+    }
+
+    /// `tensor<dims x i32>`.
+    pub fn i32(dims: &[usize]) -> Self {
+        Self::new(dims, ElemType::I32)
+    }
+
+    /// `tensor<dims x i1>`.
+    pub fn i1(dims: &[usize]) -> Self {
+        Self::new(dims, ElemType::I1)
+    }
+
+    /// Number of dimensions.
+    pub fn rank(&self) -> usize {
+        self.dims.len()
+    }
+
+    /// Number of elements.
+    pub fn elements(&self) -> usize {
+        self.dims.iter().product()
+    }
+
+    /// A tensor of `dims` with this type's element type.
+    pub fn elem_dims(&self, dims: &[usize]) -> TensorType {
+        TensorType::new(dims, self.elem)
+    }
+
+    /// The same dims with another element type.
+    pub fn with_elem(&self, elem: ElemType) -> Self {
+        Self::new(&self.dims, elem)
+    }
+}
+
+impl fmt::Display for TensorType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("tensor<")?;
+        for d in &self.dims {
+            write!(f, "{d}x")?;
+        }
+        write!(f, "{}>", self.elem.mlir())
+    }
+}
+
+/// A typed SSA value of the function being built, printed `%{id}`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Value {
+    pub id: usize,
+    pub ty: TensorType,
+}
+
+impl Value {
+    /// The dims of the value's type.
+    pub fn dims(&self) -> &[usize] {
+        &self.ty.dims
+    }
+
+    /// The element type of the value.
+    pub fn elem(&self) -> ElemType {
+        self.ty.elem
+    }
+}
+
+impl fmt::Display for Value {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "%{}", self.id)
+    }
+}

@@ -1,0 +1,587 @@
+//! The Gemma 3 forward pass of one chunk as StableHLO, mirroring `kvsnap_reference`'s blocks.
+//!
+//! Activations are kept feature-major, `[features, C]` (the transpose of the reference's
+//! `[C, features]` rows): every projection is then `W . x` with the HF `[out, in]` weight as the
+//! LEFT operand of `dot_general`, which IREE compiles without transposing the weight per call
+//! (see IREE-NOTES), and the result is again feature-major, so no transposes sit between layers.
+
+use kvsnap_contract::{LayerKind, ModelConfig};
+
+use crate::emit::{Cmp, DotDims, ElemType, FuncBuilder, Reduction, Value};
+
+/// Mask value of invisible attention scores: finite, so that a padding row that sees no key gets
+/// a uniform (finite) softmax instead of NaN, and `exp(MASKED - max)` is exactly 0 for a row
+/// that sees at least one key.
+const MASKED: f32 = -1.0e30;
+
+/// Width of the inner stage of the two-stage argmax (see IREE-NOTES: a one-pass argmax over
+/// 262144 logits hits lavapipe's shader loop limit).
+const ARGMAX_INNER: usize = 512;
+
+/// One layer's weights as function arguments, in [`super::LAYER_WEIGHTS`] order.
+pub(super) struct LayerWeights {
+    pub input_layernorm: Value,            // [hidden]
+    pub q_proj: Value,                     // [heads * hd, hidden]
+    pub k_proj: Value,                     // [kv_heads * hd, hidden]
+    pub v_proj: Value,                     // [kv_heads * hd, hidden]
+    pub q_norm: Value,                     // [hd]
+    pub k_norm: Value,                     // [hd]
+    pub o_proj: Value,                     // [hidden, heads * hd]
+    pub post_attention_layernorm: Value,   // [hidden]
+    pub pre_feedforward_layernorm: Value,  // [hidden]
+    pub gate_proj: Value,                  // [ffn, hidden]
+    pub up_proj: Value,                    // [ffn, hidden]
+    pub down_proj: Value,                  // [hidden, ffn]
+    pub post_feedforward_layernorm: Value, // [hidden]
+}
+
+impl LayerWeights {
+    /// Takes the 13 weights of one layer from `args` (in call order).
+    pub fn from_args(args: &mut impl Iterator<Item = Value>) -> Self {
+        let mut next = || args.next().expect("13 weights per layer");
+        LayerWeights {
+            input_layernorm: next(),
+            q_proj: next(),
+            k_proj: next(),
+            v_proj: next(),
+            q_norm: next(),
+            k_norm: next(),
+            o_proj: next(),
+            post_attention_layernorm: next(),
+            pre_feedforward_layernorm: next(),
+            gate_proj: next(),
+            up_proj: next(),
+            down_proj: next(),
+            post_feedforward_layernorm: next(),
+        }
+    }
+}
+
+/// cos and sin tables of one RoPE base for the chunk's positions.
+struct RopeTables {
+    cos: Value, // [hd / 2, C]
+    sin: Value, // [hd / 2, C]
+}
+
+/// Per-chunk values shared by all layers: positions, masks and RoPE tables.
+pub(super) struct Chunk {
+    pub c: usize,
+    pub pos0: Value,  // [] i32
+    pub valid: Value, // [] i32
+    rope_local: RopeTables,
+    rope_global: RopeTables,
+    /// Visibility of `[ring slots ++ chunk rows]` to each query: `[C, window + C]` i1.
+    sliding_mask: Value,
+    /// Visibility of the full buffer's rows to each query: `[C, capacity]` i1.
+    global_mask: Value,
+    /// Whether chunk row `i` is real (`i < valid`), per column: `[C]` i1.
+    row_valid: Value,
+}
+
+/// The graph of one entry point under construction.
+pub(super) struct Forward<'a> {
+    pub b: FuncBuilder,
+    pub cfg: &'a ModelConfig,
+}
+
+impl<'a> Forward<'a> {
+    // ---- small helpers --------------------------------------------------------------------
+
+    fn f32(&mut self, v: f32, dims: &[usize]) -> Value {
+        self.b.const_f32(v, dims)
+    }
+
+    fn i32(&mut self, v: i32, dims: &[usize]) -> Value {
+        self.b.const_i32(v, dims)
+    }
+
+    /// `x` (scalar) broadcast to `dims`.
+    fn splat(&mut self, x: &Value, dims: &[usize]) -> Value {
+        self.b.splat(x, dims)
+    }
+
+    /// `W . x` for an HF `[out, in]` weight and a feature-major `[in, C]` input: `[out, C]`.
+    fn linear(&mut self, w: &Value, x: &Value) -> Value {
+        self.b.dot_general(w, x, &DotDims::contract(1, 0))
+    }
+
+    /// `x * rsqrt(mean(x^2) + eps) * (1 + w)` over dim `dim` of `x`, in f32 as the reference:
+    /// the mean is the sum of squares divided by the dim, and `1 / sqrt` is taken explicitly.
+    fn rms_norm(&mut self, x: &Value, w: &Value, dim: usize) -> Value {
+        let dims = x.dims().to_vec();
+        let n = dims[dim];
+        let sq = self.b.mul(x, x);
+        let sum = self.b.reduce(&sq, Reduction::Sum, &[dim]);
+        let rest = sum.dims().to_vec();
+        let count = self.f32(n as f32, &rest);
+        let mean = self.b.div(&sum, &count);
+        let eps = self.f32(self.cfg.rms_norm_eps as f32, &rest);
+        let var = self.b.add(&mean, &eps);
+        let root = self.b.sqrt(&var);
+        let one = self.f32(1.0, &rest);
+        let inv = self.b.div(&one, &root);
+        let keep: Vec<usize> = (0..dims.len()).filter(|&d| d != dim).collect();
+        let inv = self.b.broadcast_in_dim(&inv, &dims, &keep);
+        let one_w = self.f32(1.0, &[n]);
+        let scale = self.b.add(&one_w, w);
+        let scale = self.b.broadcast_in_dim(&scale, &dims, &[dim]);
+        let y = self.b.mul(x, &inv);
+        self.b.mul(&y, &scale)
+    }
+
+    /// Rotate-half RoPE over dim `dim` (head_dim) of `x`, whose last dim is the chunk's `C`.
+    fn rope(&mut self, x: &Value, dim: usize, t: &RopeTables) -> Value {
+        let dims = x.dims().to_vec();
+        let half = dims[dim] / 2;
+        let rank = dims.len();
+        let mut lo_start = vec![0; rank];
+        let mut lo_limit = dims.clone();
+        lo_limit[dim] = half;
+        let x1 = self.b.slice(x, &lo_start, &lo_limit);
+        lo_start[dim] = half;
+        let x2 = self.b.slice(x, &lo_start, &dims);
+        let hdims = x1.dims().to_vec();
+        let cos = self.b.broadcast_in_dim(&t.cos, &hdims, &[dim, rank - 1]);
+        let sin = self.b.broadcast_in_dim(&t.sin, &hdims, &[dim, rank - 1]);
+        let a = self.b.mul(&x1, &cos);
+        let b = self.b.mul(&x2, &sin);
+        let out1 = self.b.sub(&a, &b);
+        let a = self.b.mul(&x2, &cos);
+        let b = self.b.mul(&x1, &sin);
+        let out2 = self.b.add(&a, &b);
+        self.b.concatenate(&[&out1, &out2], dim)
+    }
+
+    // ---- per-chunk values -------------------------------------------------------------------
+
+    /// Positions, masks and RoPE tables of a chunk of `c` rows at `pos0` with `valid` real rows.
+    pub fn chunk(&mut self, c: usize, pos0: Value, valid: Value) -> Chunk {
+        let cfg = self.cfg;
+        let w = cfg.sliding_window;
+        let n = cfg.context_capacity;
+
+        // Query positions qp[i] = pos0 + i.
+        let iota_c = self.b.iota(&[c], 0);
+        let pos0_c = self.splat(&pos0, &[c]);
+        let qpos = self.b.add(&pos0_c, &iota_c); // [C]
+        let end = self.b.add(&pos0, &valid); // [] first position after the chunk
+        let valid_c = self.splat(&valid, &[c]);
+        let row_valid = self.b.compare(Cmp::Lt, &iota_c, &valid_c);
+
+        // Ring slot s holds position pos0 - 1 - ((pos0 - 1 - s) mod W) before the chunk (if
+        // >= 0). `pos0 - 1 - s + W >= 0`, so the truncated remainder is the positive modulo.
+        let slots = self.b.iota(&[w], 0);
+        let pos0_w = self.splat(&pos0, &[w]);
+        let w_minus_1 = self.i32(w as i32 - 1, &[w]);
+        let a = self.b.add(&pos0_w, &w_minus_1);
+        let a = self.b.sub(&a, &slots);
+        let w_w = self.i32(w as i32, &[w]);
+        let m = self.b.remainder(&a, &w_w);
+        let one_w = self.i32(1, &[w]);
+        let last = self.b.sub(&pos0_w, &one_w);
+        let ring_pos = self.b.sub(&last, &m); // [W]
+        let keys = self.b.concatenate(&[&ring_pos, &qpos], 0); // [W + C]
+        let sliding_mask = self.visibility(&qpos, &keys, &end, Some(w));
+
+        let rows = self.b.iota(&[n], 0);
+        let global_mask = self.visibility(&qpos, &rows, &end, None);
+
+        let rope_local = self.rope_tables(&qpos, cfg.rope_theta_local, 1.0);
+        let rope_global =
+            self.rope_tables(&qpos, cfg.rope_theta_global, cfg.rope_linear_factor_global);
+        Chunk {
+            c,
+            pos0,
+            valid,
+            rope_local,
+            rope_global,
+            sliding_mask,
+            global_mask,
+            row_valid,
+        }
+    }
+
+    /// `[C, K]` i1: query at `qpos[i]` sees key at `kpos[j]` iff `0 <= kp <= qp`, `kp < end`
+    /// and, with a window, `kp > qp - window`.
+    fn visibility(
+        &mut self,
+        qpos: &Value,
+        kpos: &Value,
+        end: &Value,
+        window: Option<usize>,
+    ) -> Value {
+        let (c, k) = (qpos.dims()[0], kpos.dims()[0]);
+        let dims = [c, k];
+        let qp = self.b.broadcast_in_dim(qpos, &dims, &[0]);
+        let kp = self.b.broadcast_in_dim(kpos, &dims, &[1]);
+        let zero = self.i32(0, &dims);
+        let end = self.splat(end, &dims);
+        let nonneg = self.b.compare(Cmp::Ge, &kp, &zero);
+        let causal = self.b.compare(Cmp::Le, &kp, &qp);
+        let written = self.b.compare(Cmp::Lt, &kp, &end);
+        let mut mask = self.b.and(&nonneg, &causal);
+        mask = self.b.and(&mask, &written);
+        if let Some(w) = window {
+            let wv = self.i32(w as i32, &dims);
+            let lo = self.b.sub(&qp, &wv);
+            let inside = self.b.compare(Cmp::Gt, &kp, &lo);
+            mask = self.b.and(&mask, &inside);
+        }
+        mask
+    }
+
+    /// cos/sin of `angle = f32(inv_freq * f32(pos))` as the reference builds them.
+    ///
+    /// The reference takes cos/sin of the f32 angle in f64; IREE's f32 cos/sin lose about
+    /// `3e-8 * angle` on large angles, so the angle is first reduced modulo 2 pi with a
+    /// three-part (Cody-Waite) split of 2 pi whose first two parts have 11 significant bits:
+    /// `k * C1` and `k * C2` are exact for `k < 2^13` (positions up to ~51000 at inv_freq 1).
+    fn rope_tables(&mut self, qpos: &Value, theta: f64, factor: f64) -> RopeTables {
+        let hd = self.cfg.head_dim;
+        let c = qpos.dims()[0];
+        let inv_freq: Vec<f32> = (0..hd / 2)
+            .map(|k| {
+                let exponent = (2 * k) as f32 / hd as f32;
+                let f = 1.0 / (theta as f32).powf(exponent);
+                f / factor as f32
+            })
+            .collect();
+        let dims = [hd / 2, c];
+        let f = self.b.const_f32_vec(&inv_freq);
+        let f = self.b.broadcast_in_dim(&f, &dims, &[0]);
+        let p = self.b.convert(qpos, ElemType::F32);
+        let p = self.b.broadcast_in_dim(&p, &dims, &[1]);
+        let angle = self.b.mul(&f, &p);
+
+        let two_pi = std::f64::consts::TAU;
+        let mask = 0xFFFF_E000u32; // 11 significant bits
+        let c1 = f32::from_bits((two_pi as f32).to_bits() & mask);
+        let c2 = f32::from_bits(((two_pi - c1 as f64) as f32).to_bits() & mask);
+        let c3 = (two_pi - c1 as f64 - c2 as f64) as f32;
+        let inv = self.f32((1.0 / two_pi) as f32, &dims);
+        let k = self.b.mul(&angle, &inv);
+        let k = self.b.round_nearest_even(&k);
+        let mut r = angle;
+        for part in [c1, c2, c3] {
+            let pc = self.f32(part, &dims);
+            let kp = self.b.mul(&k, &pc);
+            r = self.b.sub(&r, &kp);
+        }
+        RopeTables {
+            cos: self.b.cos(&r),
+            sin: self.b.sin(&r),
+        }
+    }
+
+    // ---- the model ------------------------------------------------------------------------
+
+    /// Scaled input embeddings, feature-major.
+    ///
+    /// # Shapes
+    /// `rows`: `[C, hidden]` raw rows; returns `[hidden, C]`.
+    pub fn embed(&mut self, rows: &Value) -> Value {
+        let x = self.b.transpose(rows, &[1, 0]);
+        let scale = self.f32(self.cfg.embed_scale(), x.dims());
+        self.b.mul(&x, &scale)
+    }
+
+    /// Rows of `embed_tokens` for `ids`.
+    ///
+    /// # Shapes
+    /// `ids`: `[C]` i32; `embed`: `[vocab, hidden]`; returns `[C, hidden]`.
+    pub fn gather(&mut self, embed: &Value, ids: &Value) -> Value {
+        let c = ids.dims()[0];
+        let idx = self.b.reshape(ids, &[c, 1]);
+        self.b.gather_rows(embed, &idx)
+    }
+
+    /// One decoder layer with sandwich norms; returns the new residual and KV buffers.
+    ///
+    /// # Shapes
+    /// `x`: `[hidden, C]`; `k_buf`, `v_buf`: `[window or capacity, kv_heads, hd]`.
+    pub fn layer(
+        &mut self,
+        layer: usize,
+        w: &LayerWeights,
+        ch: &Chunk,
+        x: &Value,
+        k_buf: &Value,
+        v_buf: &Value,
+    ) -> (Value, Value, Value) {
+        let h = self.rms_norm(x, &w.input_layernorm, 0);
+        let (a, k_buf, v_buf) = self.attention(layer, w, ch, &h, k_buf, v_buf);
+        let a = self.rms_norm(&a, &w.post_attention_layernorm, 0);
+        let x = self.b.add(x, &a);
+
+        let h = self.rms_norm(&x, &w.pre_feedforward_layernorm, 0);
+        let m = self.mlp(w, &h);
+        let m = self.rms_norm(&m, &w.post_feedforward_layernorm, 0);
+        let x = self.b.add(&x, &m);
+        (x, k_buf, v_buf)
+    }
+
+    /// `down(gelu_tanh(gate(x)) * up(x))`, GELU written as the reference's `gelu_tanh`.
+    fn mlp(&mut self, w: &LayerWeights, x: &Value) -> Value {
+        let g = self.linear(&w.gate_proj, x);
+        let u = self.linear(&w.up_proj, x);
+        let dims = g.dims().to_vec();
+        // 0.5 * x * (1 + tanh(SQRT_2_OVER_PI * (x + 0.044715 * x * x * x)))
+        let c = self.f32(0.044715, &dims);
+        let t = self.b.mul(&c, &g);
+        let t = self.b.mul(&t, &g);
+        let t = self.b.mul(&t, &g);
+        let t = self.b.add(&g, &t);
+        let s = self.f32(0.797_884_6, &dims);
+        let t = self.b.mul(&s, &t);
+        let t = self.b.tanh(&t);
+        let one = self.f32(1.0, &dims);
+        let t = self.b.add(&one, &t);
+        let half = self.f32(0.5, &dims);
+        let y = self.b.mul(&half, &g);
+        let y = self.b.mul(&y, &t);
+        let y = self.b.mul(&y, &u);
+        self.linear(&w.down_proj, &y)
+    }
+
+    /// Self-attention of the chunk: projections, q/k norms, RoPE, attention over the cache and
+    /// the chunk, then the chunk's K/V rows stored.
+    ///
+    /// # Shapes
+    /// `x`: `[hidden, C]` (normed); returns `[hidden, C]` and the updated buffers.
+    fn attention(
+        &mut self,
+        layer: usize,
+        w: &LayerWeights,
+        ch: &Chunk,
+        x: &Value,
+        k_buf: &Value,
+        v_buf: &Value,
+    ) -> (Value, Value, Value) {
+        let cfg = self.cfg;
+        let (c, hd, kvh) = (ch.c, cfg.head_dim, cfg.num_key_value_heads);
+        let g = cfg.group_size();
+        let q = self.linear(&w.q_proj, x);
+        let q = self.b.reshape(&q, &[kvh, g, hd, c]);
+        let k = self.linear(&w.k_proj, x);
+        let k = self.b.reshape(&k, &[kvh, hd, c]);
+        let v = self.linear(&w.v_proj, x);
+        let v = self.b.reshape(&v, &[kvh, hd, c]);
+        let q = self.rms_norm(&q, &w.q_norm, 2);
+        let k = self.rms_norm(&k, &w.k_norm, 1);
+        let kind = cfg.layer_kinds[layer];
+        let tables = match kind {
+            LayerKind::Sliding => &ch.rope_local,
+            LayerKind::Global => &ch.rope_global,
+        };
+        let q = self.rope(&q, 2, tables);
+        let k = self.rope(&k, 1, tables);
+        // Padding rows are zeroed, so that whatever they computed never reaches a cache.
+        let k = self.zero_padding(&k, ch);
+        let v = self.zero_padding(&v, ch);
+
+        let (o, k_buf, v_buf) = match kind {
+            LayerKind::Sliding => self.sliding_attention(ch, &q, &k, &v, k_buf, v_buf),
+            LayerKind::Global => self.global_attention(ch, &q, &k, &v, k_buf, v_buf),
+        };
+        // [kvh, g, C, hd] -> [kvh, g, hd, C] -> [heads * hd, C]
+        let o = self.b.transpose(&o, &[0, 1, 3, 2]);
+        let o = self.b.reshape(&o, &[kvh * g * hd, c]);
+        (self.linear(&w.o_proj, &o), k_buf, v_buf)
+    }
+
+    /// `select(i < valid, x[..., i], 0)` over the last (chunk) dim.
+    fn zero_padding(&mut self, x: &Value, ch: &Chunk) -> Value {
+        let dims = x.dims().to_vec();
+        let rank = dims.len();
+        let keep = self.b.broadcast_in_dim(&ch.row_valid, &dims, &[rank - 1]);
+        let zero = self.f32(0.0, &dims);
+        self.b.select(&keep, x, &zero)
+    }
+
+    /// `q . k^T` scores of `q [kvh, g, hd, C]` against cached rows `[rows, kvh, hd]`:
+    /// `[kvh, g, C, rows]`.
+    fn scores_rows(&mut self, q: &Value, rows: &Value) -> Value {
+        self.b.dot_general(q, rows, &DotDims::batched(0, 1, 2, 2))
+    }
+
+    /// Scale, soft-cap, mask (`[C, K]` broadcast over heads) and softmax over the last dim, in
+    /// f32 as the reference: `exp(x - max)`, then multiplied by `1 / sum`.
+    fn softmax_scores(&mut self, s: &Value, mask: &Value) -> Value {
+        let dims = s.dims().to_vec();
+        let scale = self.f32(self.cfg.attn_scale(), &dims);
+        let mut s = self.b.mul(s, &scale);
+        if let Some(cap) = self.cfg.attn_logit_softcapping {
+            s = self.softcap(&s, cap as f32);
+        }
+        let mask = self.b.broadcast_in_dim(mask, &dims, &[2, 3]);
+        let masked = self.f32(MASKED, &dims);
+        let s = self.b.select(&mask, &s, &masked);
+        let max = self.b.reduce(&s, Reduction::Max, &[3]);
+        let max = self.b.broadcast_in_dim(&max, &dims, &[0, 1, 2]);
+        let e = self.b.sub(&s, &max);
+        let e = self.b.exp(&e);
+        let sum = self.b.reduce(&e, Reduction::Sum, &[3]);
+        let one = self.f32(1.0, sum.dims());
+        let inv = self.b.div(&one, &sum);
+        let inv = self.b.broadcast_in_dim(&inv, &dims, &[0, 1, 2]);
+        self.b.mul(&e, &inv)
+    }
+
+    /// `tanh(x / cap) * cap`.
+    fn softcap(&mut self, x: &Value, cap: f32) -> Value {
+        let capv = self.f32(cap, x.dims());
+        let t = self.b.div(x, &capv);
+        let t = self.b.tanh(&t);
+        self.b.mul(&t, &capv)
+    }
+
+    /// Sliding layer: attend over `[ring ++ chunk]` BEFORE the chunk is written (the ring still
+    /// holds the positions the chunk's first queries need), then write the chunk into the ring.
+    ///
+    /// # Shapes
+    /// `q`: `[kvh, g, hd, C]`; `k`, `v`: `[kvh, hd, C]`; rings `[W, kvh, hd]`; returns the
+    /// attention output `[kvh, g, C, hd]` and the rings.
+    fn sliding_attention(
+        &mut self,
+        ch: &Chunk,
+        q: &Value,
+        k: &Value,
+        v: &Value,
+        k_ring: &Value,
+        v_ring: &Value,
+    ) -> (Value, Value, Value) {
+        let (w, c) = (self.cfg.sliding_window, ch.c);
+        let s_ring = self.scores_rows(q, k_ring); // [kvh, g, C, W]
+        let s_chunk = self.b.dot_general(q, k, &DotDims::batched(0, 0, 2, 1)); // [kvh, g, C, C]
+        let s = self.b.concatenate(&[&s_ring, &s_chunk], 3);
+        let p = self.softmax_scores(&s, &ch.sliding_mask);
+        let pd = p.dims().to_vec();
+        let p_ring = self.b.slice(&p, &[0, 0, 0, 0], &[pd[0], pd[1], pd[2], w]);
+        let p_chunk = self.b.slice(&p, &[0, 0, 0, w], &pd);
+        let o_ring = self
+            .b
+            .dot_general(&p_ring, v_ring, &DotDims::batched(0, 1, 3, 0));
+        let o_chunk = self
+            .b
+            .dot_general(&p_chunk, v, &DotDims::batched(0, 0, 3, 2));
+        let o = self.b.add(&o_ring, &o_chunk); // [kvh, g, C, hd]
+
+        let k_ring = self.ring_write(ch, k_ring, k, w, c);
+        let v_ring = self.ring_write(ch, v_ring, v, w, c);
+        (o, k_ring, v_ring)
+    }
+
+    /// Writes the chunk's valid rows into slots `(pos0 + i) % W` of `ring` with one scatter.
+    ///
+    /// Row `i` of the scatter goes to slot `(pos0 + i) % W` (always in range) and carries the
+    /// value that slot must hold after the chunk: the row of the LAST valid chunk row with the
+    /// same slot, `j = (valid - 1) - ((valid - 1 - i) mod W)`, or the slot's current value
+    /// when no valid row maps there (`j < 0`: padding rows of a short chunk). Duplicate slots
+    /// (chunks longer than the window) therefore carry equal rows, and padding never
+    /// overwrites a live position.
+    fn ring_write(&mut self, ch: &Chunk, ring: &Value, rows: &Value, w: usize, c: usize) -> Value {
+        let rows = self.b.transpose(rows, &[2, 0, 1]); // [C, kvh, hd]
+        let iota = self.b.iota(&[c], 0);
+        let pos0 = self.splat(&ch.pos0, &[c]);
+        let pos = self.b.add(&pos0, &iota);
+        let wc = self.i32(w as i32, &[c]);
+        let slot = self.b.remainder(&pos, &wc);
+
+        let valid = self.splat(&ch.valid, &[c]);
+        let one = self.i32(1, &[c]);
+        let last = self.b.sub(&valid, &one);
+        let d = self.b.sub(&last, &iota);
+        // Lift `d >= -(C - 1)` to non-negative before the truncated remainder.
+        let lift = self.i32((w * c.div_ceil(w)) as i32, &[c]);
+        let d = self.b.add(&d, &lift);
+        let m = self.b.remainder(&d, &wc);
+        let j = self.b.sub(&last, &m);
+        let zero = self.i32(0, &[c]);
+        let has_src = self.b.compare(Cmp::Ge, &j, &zero);
+        let j = self.b.max(&j, &zero);
+
+        let j = self.b.reshape(&j, &[c, 1]);
+        let slot = self.b.reshape(&slot, &[c, 1]);
+        let fresh = self.b.gather_rows(&rows, &j);
+        let old = self.b.gather_rows(ring, &slot);
+        let dims = fresh.dims().to_vec();
+        let has_src = self.b.broadcast_in_dim(&has_src, &dims, &[0]);
+        let upd = self.b.select(&has_src, &fresh, &old);
+        self.b.scatter_rows(ring, &slot, &upd)
+    }
+
+    /// Global layer: write the chunk's rows at `pos0` (padding rows land past the valid end and
+    /// are masked until overwritten), then attend over the whole buffer.
+    fn global_attention(
+        &mut self,
+        ch: &Chunk,
+        q: &Value,
+        k: &Value,
+        v: &Value,
+        k_buf: &Value,
+        v_buf: &Value,
+    ) -> (Value, Value, Value) {
+        let zero = self.i32(0, &[]);
+        let kr = self.b.transpose(k, &[2, 0, 1]); // [C, kvh, hd]
+        let vr = self.b.transpose(v, &[2, 0, 1]);
+        let k_buf = self
+            .b
+            .dynamic_update_slice(k_buf, &kr, &[&ch.pos0, &zero, &zero]);
+        let v_buf = self
+            .b
+            .dynamic_update_slice(v_buf, &vr, &[&ch.pos0, &zero, &zero]);
+        let s = self.scores_rows(q, &k_buf); // [kvh, g, C, N]
+        let p = self.softmax_scores(&s, &ch.global_mask);
+        let o = self
+            .b
+            .dot_general(&p, &v_buf, &DotDims::batched(0, 1, 3, 0));
+        (o, k_buf, v_buf)
+    }
+
+    /// Final norm, tied head and greedy argmax of the last valid row.
+    ///
+    /// # Shapes
+    /// `x`: `[hidden, C]`; `embed`: `[vocab, hidden]`; returns `next: []` i32 and
+    /// `logits: [vocab]`.
+    pub fn head(&mut self, ch: &Chunk, x: &Value, norm: &Value, embed: &Value) -> (Value, Value) {
+        let hidden = self.cfg.hidden_size;
+        let vocab = self.cfg.vocab_size;
+        let zero = self.i32(0, &[]);
+        let one = self.i32(1, &[]);
+        let last = self.b.sub(&ch.valid, &one);
+        let h = self.b.dynamic_slice(x, &[&zero, &last], &[hidden, 1]);
+        let h = self.rms_norm(&h, norm, 0);
+        let logits = self.b.dot_general(embed, &h, &DotDims::contract(1, 0)); // [vocab, 1]
+        let mut logits = self.b.reshape(&logits, &[vocab]);
+        if let Some(cap) = self.cfg.final_logit_softcapping {
+            logits = self.softcap(&logits, cap as f32);
+        }
+        let next = self.argmax(&logits);
+        (next, logits)
+    }
+
+    /// Two-stage argmax of `[vocab]` logits: NaN counts as -inf (never wins), ties go to the
+    /// lowest index, as `kvsnap_contract::argmax`.
+    fn argmax(&mut self, logits: &Value) -> Value {
+        let vocab = logits.dims()[0];
+        let outer = vocab.div_ceil(ARGMAX_INNER);
+        let nan = self.b.compare(Cmp::Ne, logits, logits);
+        let ninf = self.f32(f32::NEG_INFINITY, &[vocab]);
+        let mut x = self.b.select(&nan, &ninf, logits);
+        let padded = outer * ARGMAX_INNER;
+        if padded > vocab {
+            let pad = self.f32(f32::NEG_INFINITY, &[padded - vocab]);
+            x = self.b.concatenate(&[&x, &pad], 0);
+        }
+        let dims = [outer, ARGMAX_INNER];
+        let x = self.b.reshape(&x, &dims);
+        let row = self.b.iota(&dims, 0);
+        let col = self.b.iota(&dims, 1);
+        let inner = self.i32(ARGMAX_INNER as i32, &dims);
+        let idx = self.b.mul(&row, &inner);
+        let idx = self.b.add(&idx, &col);
+        let (v, i) = self.b.argmax(&x, &idx, 1);
+        let (_, i) = self.b.argmax(&v, &i, 0);
+        i
+    }
+}

@@ -1,0 +1,197 @@
+//! The manifest of a graphs module: every entry point with its arguments and results in order,
+//! so the runtime binds buffers by role and name instead of by guessing positions.
+
+use kvsnap_contract::{LayerKind, ModelConfig};
+use serde::{Deserialize, Serialize};
+
+/// Format name written into every manifest.
+pub const MANIFEST_FORMAT: &str = "kvsnap-iree-graphs";
+/// Version of the manifest layout and of the entry-point conventions it describes.
+pub const MANIFEST_VERSION: u32 = 1;
+
+/// Element type of an argument or result.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DType {
+    F32,
+    I32,
+}
+
+/// What an argument or result is for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    /// `ids: [C] i32` token ids of the chunk (padding rows: any valid id, e.g. 0).
+    Ids,
+    /// `emb: [C, hidden] f32` raw (unscaled) embedding rows of the chunk (padding rows: zeros).
+    Embeddings,
+    /// `pos0: [] i32` absolute position of the chunk's first row.
+    Pos0,
+    /// `valid: [] i32` number of real rows, `1..=C`; rows `valid..C` are padding.
+    Valid,
+    /// A model weight, in the HF layout of `model.safetensors`; `name` is its HF tensor name.
+    Weight,
+    /// A KV buffer (input: the state before the chunk; result: after it, same buffer).
+    Kv,
+    /// `next: [] i32` greedy argmax of the last valid row's logits.
+    Next,
+    /// `logits: [vocab] f32` of the last valid row.
+    Logits,
+}
+
+/// One argument or result of an entry point.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TensorSpec {
+    /// HF tensor name for weights, `layers.{i}.k` / `layers.{i}.v` for KV buffers, the
+    /// argument name otherwise.
+    pub name: String,
+    pub role: Role,
+    pub dims: Vec<usize>,
+    pub dtype: DType,
+}
+
+/// How one layer's KV buffer is laid out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum KvLayout {
+    /// `[window, kv_heads, head_dim]`: position `p` lives in slot `p % window`.
+    Ring,
+    /// `[capacity, kv_heads, head_dim]`: position `p` lives in row `p`.
+    Full,
+}
+
+/// One entry point: `chunk_ids_c{C}` or `chunk_emb_c{C}`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EntryPoint {
+    pub name: String,
+    /// Rows per call (`C`); `C = 1` is the decode step.
+    pub chunk: usize,
+    /// `Ids` or `Embeddings`: the role of the first argument.
+    pub input: Role,
+    /// Arguments in call order: chunk input, `pos0`, `valid`, weights, KV buffers.
+    pub args: Vec<TensorSpec>,
+    /// Results in order: `next`, `logits`, KV buffers (same order as the KV arguments).
+    pub results: Vec<TensorSpec>,
+}
+
+/// Everything a runtime needs to call the module's entry points.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Manifest {
+    pub format: String,
+    pub version: u32,
+    /// Chunk sizes compiled, ascending.
+    pub chunks: Vec<usize>,
+    /// KV layout of each layer, in layer order.
+    pub kv_layouts: Vec<KvLayout>,
+    /// A chunk at `pos0` must satisfy `pos0 + C <= capacity` (full-layer buffers have
+    /// `capacity` rows, and a dynamic update slice would clamp a write past the end).
+    pub capacity: usize,
+    pub entry_points: Vec<EntryPoint>,
+}
+
+impl Manifest {
+    /// The entry point named `name`.
+    pub fn entry(&self, name: &str) -> Option<&EntryPoint> {
+        self.entry_points.iter().find(|e| e.name == name)
+    }
+}
+
+impl EntryPoint {
+    /// The weight arguments, in call order.
+    pub fn weights(&self) -> impl Iterator<Item = &TensorSpec> {
+        self.args.iter().filter(|a| a.role == Role::Weight)
+    }
+
+    /// The KV arguments, in call order.
+    pub fn kv(&self) -> impl Iterator<Item = &TensorSpec> {
+        self.args.iter().filter(|a| a.role == Role::Kv)
+    }
+}
+
+/// The weights every entry point takes, in call order, with their HF names and shapes:
+/// `model.embed_tokens.weight`, then per layer the 13 tensors of [`LAYER_WEIGHTS`], then
+/// `model.norm.weight`.
+pub fn weight_specs(cfg: &ModelConfig) -> Vec<TensorSpec> {
+    let h = cfg.hidden_size;
+    let mut out = vec![weight("model.embed_tokens.weight", &[cfg.vocab_size, h])];
+    for layer in 0..cfg.num_layers() {
+        for (suffix, _) in LAYER_WEIGHTS {
+            let name = format!("model.layers.{layer}.{suffix}");
+            out.push(weight(&name, &layer_weight_dims(cfg, suffix)));
+        }
+    }
+    out.push(weight("model.norm.weight", &[h]));
+    out
+}
+
+/// Per-layer weight names (after `model.layers.{i}.`) in call order, with what each is.
+pub const LAYER_WEIGHTS: [(&str, &str); 13] = [
+    ("input_layernorm.weight", "[hidden]"),
+    ("self_attn.q_proj.weight", "[heads * head_dim, hidden]"),
+    ("self_attn.k_proj.weight", "[kv_heads * head_dim, hidden]"),
+    ("self_attn.v_proj.weight", "[kv_heads * head_dim, hidden]"),
+    ("self_attn.q_norm.weight", "[head_dim]"),
+    ("self_attn.k_norm.weight", "[head_dim]"),
+    ("self_attn.o_proj.weight", "[hidden, heads * head_dim]"),
+    ("post_attention_layernorm.weight", "[hidden]"),
+    ("pre_feedforward_layernorm.weight", "[hidden]"),
+    ("mlp.gate_proj.weight", "[ffn, hidden]"),
+    ("mlp.up_proj.weight", "[ffn, hidden]"),
+    ("mlp.down_proj.weight", "[hidden, ffn]"),
+    ("post_feedforward_layernorm.weight", "[hidden]"),
+];
+
+fn layer_weight_dims(cfg: &ModelConfig, suffix: &str) -> Vec<usize> {
+    let (h, hd, f) = (cfg.hidden_size, cfg.head_dim, cfg.intermediate_size);
+    let q = cfg.num_attention_heads * hd;
+    let kv = cfg.kv_row();
+    match suffix {
+        "self_attn.q_proj.weight" => vec![q, h],
+        "self_attn.k_proj.weight" | "self_attn.v_proj.weight" => vec![kv, h],
+        "self_attn.q_norm.weight" | "self_attn.k_norm.weight" => vec![hd],
+        "self_attn.o_proj.weight" => vec![h, q],
+        "mlp.gate_proj.weight" | "mlp.up_proj.weight" => vec![f, h],
+        "mlp.down_proj.weight" => vec![h, f],
+        _ => vec![h],
+    }
+}
+
+fn weight(name: &str, dims: &[usize]) -> TensorSpec {
+    TensorSpec {
+        name: name.to_string(),
+        role: Role::Weight,
+        dims: dims.to_vec(),
+        dtype: DType::F32,
+    }
+}
+
+/// The KV buffers, K then V per layer, in layer order.
+pub fn kv_specs(cfg: &ModelConfig) -> Vec<TensorSpec> {
+    let mut out = Vec::new();
+    for (layer, kind) in cfg.layer_kinds.iter().enumerate() {
+        let rows = match kind {
+            LayerKind::Sliding => cfg.sliding_window,
+            LayerKind::Global => cfg.context_capacity,
+        };
+        for kv in ["k", "v"] {
+            out.push(TensorSpec {
+                name: format!("layers.{layer}.{kv}"),
+                role: Role::Kv,
+                dims: vec![rows, cfg.num_key_value_heads, cfg.head_dim],
+                dtype: DType::F32,
+            });
+        }
+    }
+    out
+}
+
+/// The KV layout of each layer.
+pub fn kv_layouts(cfg: &ModelConfig) -> Vec<KvLayout> {
+    cfg.layer_kinds
+        .iter()
+        .map(|k| match k {
+            LayerKind::Sliding => KvLayout::Ring,
+            LayerKind::Global => KvLayout::Full,
+        })
+        .collect()
+}

@@ -1,0 +1,200 @@
+//! The Gemma 3 graphs: ONE StableHLO module with a chunk entry point per chunk size and input
+//! kind, all taking the same weights (HF names and layout, imported zero-copy) and the KV
+//! buffers, all computing what `kvsnap_reference` computes.
+//!
+//! # Entry points
+//! For each chunk size `C` in the module's chunk set:
+//!
+//! ```text
+//! chunk_ids_c{C}(ids: tensor<Cxi32>, pos0: tensor<i32>, valid: tensor<i32>,
+//!                weights..., kv...) -> (next: tensor<i32>, logits: tensor<{vocab}xf32>, kv...)
+//! chunk_emb_c{C}(emb: tensor<Cx{hidden}xf32>, pos0, valid, weights..., kv...) -> (same)
+//! ```
+//!
+//! - Rows `0..valid` of the chunk are positions `pos0..pos0 + valid`; rows `valid..C` are
+//!   padding and change nothing (`1 <= valid <= C`, `pos0 + C <= capacity`).
+//! - `emb` rows are raw embedding rows; the graph multiplies them by `sqrt(hidden)` (rounded to
+//!   f32), as it does the gathered rows of `ids`.
+//! - Weights in [`weight_specs`] order: `model.embed_tokens.weight`, 13 per layer
+//!   ([`LAYER_WEIGHTS`]), `model.norm.weight`.
+//! - KV in [`kv_specs`] order (K then V per layer): sliding layers a ring
+//!   `[window, kv_heads, head_dim]` (position `p` in slot `p % window`), global layers
+//!   `[capacity, kv_heads, head_dim]` (position `p` in row `p`). The chunk's rows are written in
+//!   place (scatter into the ring, dynamic_update_slice into the full buffer): the results are
+//!   the same buffers, updated, so an input KV buffer must not be kept as a snapshot.
+//! - `next` is the argmax of the last valid row's logits (lowest index wins ties), computed on
+//!   the device in two stages; `logits` are that row's only. No `C x vocab` tensor exists.
+//!
+//! RoPE tables, masks and ring positions are computed inside the graph from `pos0` and `valid`.
+
+mod forward;
+mod manifest;
+
+use kvsnap_contract::ModelConfig;
+
+use crate::emit::{FuncBuilder, Module, TensorType, Value};
+use forward::{Forward, LayerWeights};
+pub use manifest::{
+    kv_layouts, kv_specs, weight_specs, DType, EntryPoint, KvLayout, Manifest, Role, TensorSpec,
+    LAYER_WEIGHTS, MANIFEST_FORMAT, MANIFEST_VERSION,
+};
+
+/// Chunk sizes compiled by default: the decode step, and two prefill chunks.
+pub const DEFAULT_CHUNKS: [usize; 3] = [1, 16, 64];
+
+/// Which input an entry point takes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Input {
+    /// Token ids; the graph gathers the embedding rows.
+    Ids,
+    /// Raw embedding rows gathered on the host.
+    Embeddings,
+}
+
+impl Input {
+    /// Both input kinds, ids first.
+    pub const ALL: [Input; 2] = [Input::Ids, Input::Embeddings];
+
+    fn tag(self) -> &'static str {
+        match self {
+            Input::Ids => "ids",
+            Input::Embeddings => "emb",
+        }
+    }
+}
+
+/// The name of the entry point for `input` and chunk size `chunk`: `chunk_ids_c16`.
+pub fn entry_name(input: Input, chunk: usize) -> String {
+    format!("chunk_{}_c{chunk}", input.tag())
+}
+
+/// An emitted module: its MLIR text and the manifest of its entry points.
+#[derive(Clone, Debug)]
+pub struct Graphs {
+    pub mlir: String,
+    pub manifest: Manifest,
+}
+
+/// Builds the module for `cfg` with one ids and one embeddings entry point per size in
+/// `chunks` (deduplicated and sorted).
+///
+/// # Panics
+/// If `chunks` is empty or holds 0, or a chunk is longer than the context capacity.
+pub fn build(cfg: &ModelConfig, chunks: &[usize]) -> Graphs {
+    let mut chunks = chunks.to_vec();
+    chunks.sort_unstable();
+    chunks.dedup();
+    assert!(
+        !chunks.is_empty() && chunks[0] > 0,
+        "graphs: chunk sizes {chunks:?} must be positive"
+    );
+    assert!(
+        *chunks.last().unwrap() <= cfg.context_capacity,
+        "graphs: chunk sizes {chunks:?} exceed the context capacity {}",
+        cfg.context_capacity
+    );
+    let mut module = Module::new("kvsnap");
+    let mut entry_points = Vec::new();
+    for &c in &chunks {
+        for input in Input::ALL {
+            let (text, entry) = entry_point(cfg, input, c);
+            module.push(text);
+            entry_points.push(entry);
+        }
+    }
+    Graphs {
+        mlir: module.text(),
+        manifest: Manifest {
+            format: MANIFEST_FORMAT.to_string(),
+            version: MANIFEST_VERSION,
+            chunks,
+            kv_layouts: kv_layouts(cfg),
+            capacity: cfg.context_capacity,
+            entry_points,
+        },
+    }
+}
+
+fn arg_type(spec: &TensorSpec) -> TensorType {
+    match spec.dtype {
+        DType::F32 => TensorType::f32(&spec.dims),
+        DType::I32 => TensorType::i32(&spec.dims),
+    }
+}
+
+fn spec(name: &str, role: Role, dims: &[usize], dtype: DType) -> TensorSpec {
+    TensorSpec {
+        name: name.to_string(),
+        role,
+        dims: dims.to_vec(),
+        dtype,
+    }
+}
+
+/// The function text and manifest entry of one entry point.
+fn entry_point(cfg: &ModelConfig, input: Input, c: usize) -> (String, EntryPoint) {
+    let first = match input {
+        Input::Ids => spec("ids", Role::Ids, &[c], DType::I32),
+        Input::Embeddings => spec("emb", Role::Embeddings, &[c, cfg.hidden_size], DType::F32),
+    };
+    let mut args = vec![
+        first,
+        spec("pos0", Role::Pos0, &[], DType::I32),
+        spec("valid", Role::Valid, &[], DType::I32),
+    ];
+    args.extend(weight_specs(cfg));
+    let kv = kv_specs(cfg);
+    args.extend(kv.iter().cloned());
+    let mut results = vec![
+        spec("next", Role::Next, &[], DType::I32),
+        spec("logits", Role::Logits, &[cfg.vocab_size], DType::F32),
+    ];
+    results.extend(kv);
+
+    let name = entry_name(input, c);
+    let mut b = FuncBuilder::new(&name);
+    let values: Vec<Value> = args.iter().map(|a| b.arg(arg_type(a))).collect();
+    let mut it = values.into_iter();
+    let chunk_input = it.next().expect("chunk input");
+    let pos0 = it.next().expect("pos0");
+    let valid = it.next().expect("valid");
+    let embed = it.next().expect("embed_tokens");
+    let layers: Vec<LayerWeights> = (0..cfg.num_layers())
+        .map(|_| LayerWeights::from_args(&mut it))
+        .collect();
+    let norm = it.next().expect("model.norm");
+    let kv_in: Vec<Value> = it.collect();
+    assert_eq!(
+        kv_in.len(),
+        2 * cfg.num_layers(),
+        "one K and one V per layer"
+    );
+
+    let mut f = Forward { b, cfg };
+    let ch = f.chunk(c, pos0, valid);
+    let rows = match input {
+        Input::Ids => f.gather(&embed, &chunk_input),
+        Input::Embeddings => chunk_input,
+    };
+    let mut x = f.embed(&rows);
+    let mut kv_out = Vec::with_capacity(kv_in.len());
+    for (layer, w) in layers.iter().enumerate() {
+        let (nx, k, v) = f.layer(layer, w, &ch, &x, &kv_in[2 * layer], &kv_in[2 * layer + 1]);
+        x = nx;
+        kv_out.extend([k, v]);
+    }
+    let (next, logits) = f.head(&ch, &x, &norm, &embed);
+    let mut outs = vec![&next, &logits];
+    outs.extend(kv_out.iter());
+    let text = f.b.finish(&outs);
+    (
+        text,
+        EntryPoint {
+            name,
+            chunk: c,
+            input: args[0].role,
+            args,
+            results,
+        },
+    )
+}

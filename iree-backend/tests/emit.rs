@@ -1,0 +1,462 @@
+//! The StableHLO emitter and the Gemma 3 graphs.
+//!
+//! Op snapshots: each op's text is compared with a string written by hand from the StableHLO
+//! spec's generic syntax (not produced by the code). Compile tests run `iree-compile` on a
+//! function using every op and on the tiny model's module; they print
+//! `SKIPPED: iree-compile not found` when the compiler is not installed.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use kvsnap_contract::ModelConfig;
+use kvsnap_iree::emit::{Cmp, DotDims, ElemType, FuncBuilder, Module, Reduction, TensorType};
+use kvsnap_iree::graphs::{self, entry_name, Input, Role, DEFAULT_CHUNKS};
+use kvsnap_reference::tiny::{config, Preset};
+
+/// The body lines a closure emits into a fresh function (arguments excluded).
+fn body(
+    args: &[TensorType],
+    f: impl FnOnce(&mut FuncBuilder, &[kvsnap_iree::emit::Value]),
+) -> String {
+    let mut b = FuncBuilder::new("f");
+    let vals: Vec<_> = args.iter().map(|t| b.arg(t.clone())).collect();
+    f(&mut b, &vals);
+    let text = b.finish(&[]);
+    text.lines()
+        .filter(|l| !l.contains("func.func") && !l.contains("func.return") && l.trim() != "}")
+        .map(|l| l.trim())
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+fn f32t(d: &[usize]) -> TensorType {
+    TensorType::f32(d)
+}
+
+fn i32t(d: &[usize]) -> TensorType {
+    TensorType::i32(d)
+}
+
+#[test]
+fn function_text() {
+    let mut b = FuncBuilder::new("add2");
+    let x = b.arg(f32t(&[2]));
+    let y = b.arg(f32t(&[2]));
+    let z = b.add(&x, &y);
+    assert_eq!(
+        b.finish(&[&z]),
+        "  func.func @add2(%0: tensor<2xf32>, %1: tensor<2xf32>) -> (tensor<2xf32>) {\n    %2 = \"stablehlo.add\"(%0, %1) : (tensor<2xf32>, tensor<2xf32>) -> tensor<2xf32>\n    \"func.return\"(%2) : (tensor<2xf32>) -> ()\n  }\n"
+    );
+    let mut m = Module::new("m");
+    m.push("  F\n".into());
+    assert_eq!(m.text(), "module @m {\n  F\n}\n");
+}
+
+#[test]
+fn constants_and_iota() {
+    let t = body(&[], |b, _| {
+        b.const_f32(1.0, &[]);
+        b.const_i32(-3, &[2, 2]);
+        b.const_f32_vec(&[2.0, -0.5]);
+        b.iota(&[3, 4], 1);
+    });
+    assert_eq!(
+        t,
+        "%0 = \"stablehlo.constant\"() {value = dense<0x3F800000> : tensor<f32>} : () -> tensor<f32>\n\
+         %1 = \"stablehlo.constant\"() {value = dense<-3> : tensor<2x2xi32>} : () -> tensor<2x2xi32>\n\
+         %2 = \"stablehlo.constant\"() {value = dense<[0x40000000, 0xBF000000]> : tensor<2xf32>} : () -> tensor<2xf32>\n\
+         %3 = \"stablehlo.iota\"() {iota_dimension = 1 : i64} : () -> tensor<3x4xi32>"
+    );
+}
+
+#[test]
+fn shape_ops() {
+    let t = body(&[f32t(&[2, 3]), f32t(&[])], |b, a| {
+        b.broadcast_in_dim(&a[0], &[4, 2, 3], &[1, 2]);
+        b.splat(&a[1], &[5]);
+        b.reshape(&a[0], &[3, 2]);
+        b.transpose(&a[0], &[1, 0]);
+        b.convert(&a[0], ElemType::I32);
+        b.slice(&a[0], &[0, 1], &[2, 3]);
+        b.concatenate(&[&a[0], &a[0]], 1);
+    });
+    assert_eq!(
+        t,
+        "%2 = \"stablehlo.broadcast_in_dim\"(%0) {broadcast_dimensions = array<i64: 1, 2>} : (tensor<2x3xf32>) -> tensor<4x2x3xf32>\n\
+         %3 = \"stablehlo.broadcast_in_dim\"(%1) {broadcast_dimensions = array<i64>} : (tensor<f32>) -> tensor<5xf32>\n\
+         %4 = \"stablehlo.reshape\"(%0) : (tensor<2x3xf32>) -> tensor<3x2xf32>\n\
+         %5 = \"stablehlo.transpose\"(%0) {permutation = array<i64: 1, 0>} : (tensor<2x3xf32>) -> tensor<3x2xf32>\n\
+         %6 = \"stablehlo.convert\"(%0) : (tensor<2x3xf32>) -> tensor<2x3xi32>\n\
+         %7 = \"stablehlo.slice\"(%0) {start_indices = array<i64: 0, 1>, limit_indices = array<i64: 2, 3>, strides = array<i64: 1, 1>} : (tensor<2x3xf32>) -> tensor<2x2xf32>\n\
+         %8 = \"stablehlo.concatenate\"(%0, %0) {dimension = 1 : i64} : (tensor<2x3xf32>, tensor<2x3xf32>) -> tensor<2x6xf32>"
+    );
+}
+
+#[test]
+fn elementwise_ops() {
+    let t = body(&[f32t(&[2]), f32t(&[2]), i32t(&[2])], |b, a| {
+        let (x, y, i) = (&a[0], &a[1], &a[2]);
+        b.add(x, y);
+        b.sub(x, y);
+        b.mul(x, y);
+        b.div(x, y);
+        b.max(x, y);
+        b.min(x, y);
+        b.remainder(i, i);
+        b.neg(x);
+        b.exp(x);
+        b.log(x);
+        b.tanh(x);
+        b.rsqrt(x);
+        b.sqrt(x);
+        b.cos(x);
+        b.sin(x);
+        b.round_nearest_even(x);
+    });
+    let ff = ": (tensor<2xf32>, tensor<2xf32>) -> tensor<2xf32>";
+    let f = ": (tensor<2xf32>) -> tensor<2xf32>";
+    let want = [
+        format!("%3 = \"stablehlo.add\"(%0, %1) {ff}"),
+        format!("%4 = \"stablehlo.subtract\"(%0, %1) {ff}"),
+        format!("%5 = \"stablehlo.multiply\"(%0, %1) {ff}"),
+        format!("%6 = \"stablehlo.divide\"(%0, %1) {ff}"),
+        format!("%7 = \"stablehlo.maximum\"(%0, %1) {ff}"),
+        format!("%8 = \"stablehlo.minimum\"(%0, %1) {ff}"),
+        "%9 = \"stablehlo.remainder\"(%2, %2) : (tensor<2xi32>, tensor<2xi32>) -> tensor<2xi32>"
+            .into(),
+        format!("%10 = \"stablehlo.negate\"(%0) {f}"),
+        format!("%11 = \"stablehlo.exponential\"(%0) {f}"),
+        format!("%12 = \"stablehlo.log\"(%0) {f}"),
+        format!("%13 = \"stablehlo.tanh\"(%0) {f}"),
+        format!("%14 = \"stablehlo.rsqrt\"(%0) {f}"),
+        format!("%15 = \"stablehlo.sqrt\"(%0) {f}"),
+        format!("%16 = \"stablehlo.cosine\"(%0) {f}"),
+        format!("%17 = \"stablehlo.sine\"(%0) {f}"),
+        format!("%18 = \"stablehlo.round_nearest_even\"(%0) {f}"),
+    ];
+    assert_eq!(t, want.join("\n"));
+}
+
+#[test]
+fn compare_select_clamp_logic() {
+    let t = body(&[i32t(&[3]), i32t(&[3]), i32t(&[])], |b, a| {
+        let p = b.compare(Cmp::Le, &a[0], &a[1]);
+        let q = b.compare(Cmp::Ne, &a[0], &a[1]);
+        b.and(&p, &q);
+        b.or(&p, &q);
+        b.select(&p, &a[0], &a[1]);
+        b.clamp(&a[2], &a[0], &a[2]);
+    });
+    assert_eq!(
+        t,
+        "%3 = \"stablehlo.compare\"(%0, %1) {comparison_direction = #stablehlo<comparison_direction LE>} : (tensor<3xi32>, tensor<3xi32>) -> tensor<3xi1>\n\
+         %4 = \"stablehlo.compare\"(%0, %1) {comparison_direction = #stablehlo<comparison_direction NE>} : (tensor<3xi32>, tensor<3xi32>) -> tensor<3xi1>\n\
+         %5 = \"stablehlo.and\"(%3, %4) : (tensor<3xi1>, tensor<3xi1>) -> tensor<3xi1>\n\
+         %6 = \"stablehlo.or\"(%3, %4) : (tensor<3xi1>, tensor<3xi1>) -> tensor<3xi1>\n\
+         %7 = \"stablehlo.select\"(%3, %0, %1) : (tensor<3xi1>, tensor<3xi32>, tensor<3xi32>) -> tensor<3xi32>\n\
+         %8 = \"stablehlo.clamp\"(%2, %0, %2) : (tensor<i32>, tensor<3xi32>, tensor<i32>) -> tensor<3xi32>"
+    );
+}
+
+#[test]
+fn reduce_and_argmax() {
+    let t = body(&[f32t(&[4, 8])], |b, a| {
+        b.reduce(&a[0], Reduction::Sum, &[1]);
+    });
+    assert_eq!(
+        t,
+        "%1 = \"stablehlo.constant\"() {value = dense<0x00000000> : tensor<f32>} : () -> tensor<f32>\n\
+         %2 = \"stablehlo.reduce\"(%0, %1) ({\n\
+         ^bb0(%3: tensor<f32>, %4: tensor<f32>):\n\
+         %5 = \"stablehlo.add\"(%3, %4) : (tensor<f32>, tensor<f32>) -> tensor<f32>\n\
+         \"stablehlo.return\"(%5) : (tensor<f32>) -> ()\n\
+         }) {dimensions = array<i64: 1>} : (tensor<4x8xf32>, tensor<f32>) -> tensor<4xf32>"
+    );
+    let t = body(&[f32t(&[4, 8]), i32t(&[4, 8])], |b, a| {
+        b.argmax(&a[0], &a[1], 0);
+    });
+    let cmp = |d: &str| format!("{{comparison_direction = #stablehlo<comparison_direction {d}>}}");
+    let want = format!(
+        "%2 = \"stablehlo.constant\"() {{value = dense<0xFF800000> : tensor<f32>}} : () -> tensor<f32>\n\
+         %3 = \"stablehlo.constant\"() {{value = dense<0> : tensor<i32>}} : () -> tensor<i32>\n\
+         %4, %5 = \"stablehlo.reduce\"(%0, %1, %2, %3) ({{\n\
+         ^bb0(%6: tensor<f32>, %7: tensor<i32>, %8: tensor<f32>, %9: tensor<i32>):\n\
+         %10 = \"stablehlo.compare\"(%6, %8) {} : (tensor<f32>, tensor<f32>) -> tensor<i1>\n\
+         %11 = \"stablehlo.compare\"(%6, %8) {} : (tensor<f32>, tensor<f32>) -> tensor<i1>\n\
+         %12 = \"stablehlo.compare\"(%7, %9) {} : (tensor<i32>, tensor<i32>) -> tensor<i1>\n\
+         %13 = \"stablehlo.and\"(%11, %12) : (tensor<i1>, tensor<i1>) -> tensor<i1>\n\
+         %14 = \"stablehlo.or\"(%10, %13) : (tensor<i1>, tensor<i1>) -> tensor<i1>\n\
+         %15 = \"stablehlo.select\"(%14, %6, %8) : (tensor<i1>, tensor<f32>, tensor<f32>) -> tensor<f32>\n\
+         %16 = \"stablehlo.select\"(%14, %7, %9) : (tensor<i1>, tensor<i32>, tensor<i32>) -> tensor<i32>\n\
+         \"stablehlo.return\"(%15, %16) : (tensor<f32>, tensor<i32>) -> ()\n\
+         }}) {{dimensions = array<i64: 0>}} : (tensor<4x8xf32>, tensor<4x8xi32>, tensor<f32>, tensor<i32>) -> (tensor<8xf32>, tensor<8xi32>)",
+        cmp("GT"),
+        cmp("EQ"),
+        cmp("LT")
+    );
+    assert_eq!(t, want);
+}
+
+#[test]
+fn dot_general() {
+    // W [out=6, in=4] . x [in=4, C=2] -> [6, 2]; and a batched q . k^T.
+    let t = body(
+        &[
+            f32t(&[6, 4]),
+            f32t(&[4, 2]),
+            f32t(&[2, 3, 8, 5]),
+            f32t(&[7, 2, 8]),
+        ],
+        |b, a| {
+            b.dot_general(&a[0], &a[1], &DotDims::contract(1, 0));
+            b.dot_general(&a[2], &a[3], &DotDims::batched(0, 1, 2, 2));
+        },
+    );
+    assert_eq!(
+        t,
+        "%4 = \"stablehlo.dot_general\"(%0, %1) {dot_dimension_numbers = #stablehlo.dot<lhs_batching_dimensions = [], rhs_batching_dimensions = [], lhs_contracting_dimensions = [1], rhs_contracting_dimensions = [0]>} : (tensor<6x4xf32>, tensor<4x2xf32>) -> tensor<6x2xf32>\n\
+         %5 = \"stablehlo.dot_general\"(%2, %3) {dot_dimension_numbers = #stablehlo.dot<lhs_batching_dimensions = [0], rhs_batching_dimensions = [1], lhs_contracting_dimensions = [2], rhs_contracting_dimensions = [2]>} : (tensor<2x3x8x5xf32>, tensor<7x2x8xf32>) -> tensor<2x3x5x7xf32>"
+    );
+}
+
+#[test]
+fn indexing_ops() {
+    let t = body(
+        &[f32t(&[6, 2, 4]), i32t(&[]), f32t(&[3, 2, 4]), i32t(&[3, 1])],
+        |b, a| {
+            let (x, i, u, idx) = (&a[0], &a[1], &a[2], &a[3]);
+            b.dynamic_slice(x, &[i, i, i], &[3, 2, 4]);
+            b.dynamic_update_slice(x, u, &[i, i, i]);
+            b.gather_rows(x, idx);
+            b.scatter_rows(x, idx, u);
+        },
+    );
+    assert_eq!(
+        t,
+        "%4 = \"stablehlo.dynamic_slice\"(%0, %1, %1, %1) {slice_sizes = array<i64: 3, 2, 4>} : (tensor<6x2x4xf32>, tensor<i32>, tensor<i32>, tensor<i32>) -> tensor<3x2x4xf32>\n\
+         %5 = \"stablehlo.dynamic_update_slice\"(%0, %2, %1, %1, %1) : (tensor<6x2x4xf32>, tensor<3x2x4xf32>, tensor<i32>, tensor<i32>, tensor<i32>) -> tensor<6x2x4xf32>\n\
+         %6 = \"stablehlo.gather\"(%0, %3) {dimension_numbers = #stablehlo.gather<offset_dims = [1, 2], collapsed_slice_dims = [0], start_index_map = [0], index_vector_dim = 1>, slice_sizes = array<i64: 1, 2, 4>, indices_are_sorted = false} : (tensor<6x2x4xf32>, tensor<3x1xi32>) -> tensor<3x2x4xf32>\n\
+         %7 = \"stablehlo.scatter\"(%0, %3, %2) ({\n\
+         ^bb0(%8: tensor<f32>, %9: tensor<f32>):\n\
+         \"stablehlo.return\"(%9) : (tensor<f32>) -> ()\n\
+         }) {scatter_dimension_numbers = #stablehlo.scatter<update_window_dims = [1, 2], inserted_window_dims = [0], scatter_dims_to_operand_dims = [0], index_vector_dim = 1>, indices_are_sorted = false, unique_indices = false} : (tensor<6x2x4xf32>, tensor<3x1xi32>, tensor<3x2x4xf32>) -> tensor<6x2x4xf32>"
+    );
+}
+
+#[test]
+#[should_panic(
+    expected = "dot_general: lhs tensor<6x4xf32> dim 1 does not match rhs tensor<5x2xf32> dim 0"
+)]
+fn shape_errors_name_the_op_and_shapes() {
+    let mut b = FuncBuilder::new("f");
+    let w = b.arg(f32t(&[6, 4]));
+    let x = b.arg(f32t(&[5, 2]));
+    b.dot_general(&w, &x, &DotDims::contract(1, 0));
+}
+
+// ---- compile tests -------------------------------------------------------------------------
+
+/// `iree-compile`: `$KVSNAP_IREE_COMPILE`, the workspace `.venv`, or `PATH`.
+fn iree_compile() -> Option<PathBuf> {
+    let venv = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/iree-compile");
+    std::env::var_os("KVSNAP_IREE_COMPILE")
+        .map(PathBuf::from)
+        .into_iter()
+        .chain([venv, PathBuf::from("iree-compile")])
+        .find(|p| {
+            Command::new(p)
+                .arg("--version")
+                .output()
+                .is_ok_and(|o| o.status.success())
+        })
+}
+
+/// Compiles `mlir` for llvm-cpu; `None` (and a visible SKIPPED line) without a compiler.
+fn compile(mlir: &str, what: &str) -> Option<()> {
+    let Some(exe) = iree_compile() else {
+        eprintln!("SKIPPED: iree-compile not found ({what})");
+        return None;
+    };
+    let dir = std::env::temp_dir().join(format!("kvsnap-emit-{}-{what}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let src = dir.join("m.mlir");
+    std::fs::write(&src, mlir).unwrap();
+    let out = Command::new(exe)
+        .args([
+            "--iree-input-type=stablehlo",
+            "--iree-hal-target-device=local",
+            "--iree-hal-local-target-device-backends=llvm-cpu",
+            "--iree-llvmcpu-target-cpu=generic",
+        ])
+        .arg(&src)
+        .arg("-o")
+        .arg(dir.join("m.vmfb"))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "iree-compile failed on {what}:\n{stderr}"
+    );
+    std::fs::remove_dir_all(&dir).ok();
+    Some(())
+}
+
+#[test]
+fn every_op_compiles() {
+    let mut b = FuncBuilder::new("ops");
+    let x = b.arg(f32t(&[6, 2, 4]));
+    let i = b.arg(i32t(&[]));
+    let ids = b.arg(i32t(&[3]));
+    let w = b.arg(f32t(&[8, 4]));
+    let idx = b.reshape(&ids, &[3, 1]);
+    let rows = b.gather_rows(&x, &idx);
+    let u = b.exp(&rows);
+    let y = b.scatter_rows(&x, &idx, &u);
+    let y = b.dynamic_update_slice(&y, &rows, &[&i, &i, &i]);
+    let s = b.dynamic_slice(&y, &[&i, &i, &i], &[2, 2, 4]);
+    let s = b.reshape(&s, &[4, 4]);
+    let m = b.dot_general(&w, &s, &DotDims::contract(1, 1)); // [8, 4]
+    let t = b.transpose(&m, &[1, 0]);
+    let c = b.const_f32(0.5, &[4, 8]);
+    let t = b.mul(&t, &c);
+    let t = b.tanh(&t);
+    let t = b.rsqrt(&t);
+    let t = b.sqrt(&t);
+    let t = b.cos(&t);
+    let t = b.sin(&t);
+    let t = b.log(&t);
+    let t = b.neg(&t);
+    let t = b.round_nearest_even(&t);
+    let sum = b.reduce(&t, Reduction::Sum, &[1]);
+    let mx = b.reduce(&t, Reduction::Max, &[0]);
+    let iota = b.iota(&[4, 8], 1);
+    let (_, arg) = b.argmax(&t, &iota, 1);
+    let seven = b.const_i32(7, &[4]);
+    let r = b.remainder(&arg, &seven);
+    let lo = b.const_i32(0, &[]);
+    let r = b.clamp(&lo, &r, &i);
+    let p = b.compare(Cmp::Gt, &r, &seven);
+    let q = b.compare(Cmp::Eq, &r, &seven);
+    let p = b.and(&p, &q);
+    let p = b.or(&p, &q);
+    let sum2 = b.add(&sum, &sum);
+    let sum3 = b.sub(&sum2, &sum);
+    let sum4 = b.div(&sum3, &sum2);
+    let sum5 = b.max(&sum4, &sum);
+    let sum6 = b.min(&sum5, &sum);
+    let sel = b.select(&p, &sum6, &sum);
+    let f = b.convert(&r, ElemType::F32);
+    let cat = b.concatenate(&[&sel, &f], 0);
+    let sl = b.slice(&cat, &[1], &[5]);
+    let v = b.const_f32_vec(&[1.0, 2.0, 3.0, 4.0]);
+    let out = b.add(&sl, &v);
+    let mut module = Module::new("ops");
+    module.push(b.finish(&[&out, &mx]));
+    compile(&module.text(), "ops");
+}
+
+// ---- graphs --------------------------------------------------------------------------------
+
+fn real_config() -> ModelConfig {
+    config(Preset::RealShapes)
+}
+
+/// Every `tensor<...>` type in `text`, as dims.
+fn tensor_types(text: &str) -> Vec<Vec<usize>> {
+    text.split("tensor<")
+        .skip(1)
+        .map(|t| {
+            let t = &t[..t.find('>').unwrap()];
+            t.split('x')
+                .filter_map(|d| d.parse::<usize>().ok())
+                .collect()
+        })
+        .collect()
+}
+
+#[test]
+fn graphs_build_for_tiny_and_real_configs_with_the_head_sliced() {
+    for cfg in [config(Preset::Tiny), real_config()] {
+        let g = graphs::build(&cfg, &DEFAULT_CHUNKS);
+        let vocab = cfg.vocab_size;
+        // No tensor with a vocab dim and another dim > 1 (no SEQ x vocab logits anywhere),
+        // except the `[vocab, hidden]` embedding table itself.
+        let table = [vocab, cfg.hidden_size];
+        for dims in tensor_types(&g.mlir) {
+            if dims.contains(&vocab) && dims != table {
+                assert!(
+                    dims.iter().filter(|&&d| d != vocab).all(|&d| d == 1)
+                        && dims.iter().filter(|&&d| d == vocab).count() == 1,
+                    "tensor {dims:?} has a vocab ({vocab}) dim and another dim > 1"
+                );
+            }
+        }
+        // The head was built: [vocab] logits are returned.
+        assert!(g.mlir.contains(&format!("tensor<{vocab}xf32>")));
+        assert_eq!(g.manifest.entry_points.len(), 2 * DEFAULT_CHUNKS.len());
+        for &c in &DEFAULT_CHUNKS {
+            for input in Input::ALL {
+                let name = entry_name(input, c);
+                let e = g.manifest.entry(&name).expect("entry point in manifest");
+                assert!(g.mlir.contains(&format!("func.func @{name}(")));
+                assert_eq!(e.weights().count(), 2 + 13 * cfg.num_layers());
+                assert_eq!(e.kv().count(), 2 * cfg.num_layers());
+                assert_eq!(e.results[0].role, Role::Next);
+                assert_eq!(e.results[1].dims, [vocab]);
+                assert_eq!(e.args[1].role, Role::Pos0);
+                assert_eq!(e.args[2].role, Role::Valid);
+            }
+        }
+    }
+}
+
+#[test]
+fn manifest_lists_weights_by_hf_name_in_call_order() {
+    let cfg = config(Preset::Tiny);
+    let g = graphs::build(&cfg, &[1]);
+    let e = g.manifest.entry("chunk_ids_c1").unwrap();
+    let names: Vec<&str> = e.weights().map(|w| w.name.as_str()).collect();
+    assert_eq!(names[0], "model.embed_tokens.weight");
+    assert_eq!(names[1], "model.layers.0.input_layernorm.weight");
+    assert_eq!(names[2], "model.layers.0.self_attn.q_proj.weight");
+    assert_eq!(
+        names[13],
+        "model.layers.0.post_feedforward_layernorm.weight"
+    );
+    assert_eq!(*names.last().unwrap(), "model.norm.weight");
+    let q = e
+        .weights()
+        .find(|w| w.name.ends_with("0.self_attn.q_proj.weight"))
+        .unwrap();
+    assert_eq!(
+        q.dims,
+        [cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size]
+    );
+    // Sliding layer 0 has a ring of the window; global layer 2 the full capacity.
+    let kv: Vec<_> = e.kv().collect();
+    assert_eq!(kv[0].name, "layers.0.k");
+    assert_eq!(
+        kv[0].dims,
+        [cfg.sliding_window, cfg.num_key_value_heads, cfg.head_dim]
+    );
+    assert_eq!(kv[5].name, "layers.2.v");
+    assert_eq!(kv[5].dims[0], cfg.context_capacity);
+    // The function signature lists the arguments in manifest order.
+    let sig = g
+        .mlir
+        .lines()
+        .find(|l| l.contains("@chunk_ids_c1("))
+        .unwrap();
+    assert!(sig
+        .contains("(%0: tensor<1xi32>, %1: tensor<i32>, %2: tensor<i32>, %3: tensor<512x64xf32>"));
+    let json = serde_json::to_string(&g.manifest).unwrap();
+    let back: graphs::Manifest = serde_json::from_str(&json).unwrap();
+    assert_eq!(back, g.manifest);
+}
+
+#[test]
+fn tiny_module_compiles() {
+    let g = graphs::build(&config(Preset::Tiny), &DEFAULT_CHUNKS);
+    compile(&g.mlir, "tiny");
+}
