@@ -79,12 +79,12 @@ pub enum Error {
         problem: String,
     },
 
-    /// An I/O error on a named file.
-    #[error("{path}: {source}")]
+    /// An I/O error on a named file. The cause is part of the message (not chained as a
+    /// `source`), so that `{:#}` printers do not repeat it.
+    #[error("{path}: {cause}")]
     Io {
         path: PathBuf,
-        #[source]
-        source: std::io::Error,
+        cause: std::io::Error,
     },
 
     /// The total KV budget would be exceeded.
@@ -114,10 +114,10 @@ pub enum Error {
 
 impl Error {
     /// Wraps an I/O error with the path it concerns.
-    pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+    pub fn io(path: impl Into<PathBuf>, cause: std::io::Error) -> Self {
         Error::Io {
             path: path.into(),
-            source,
+            cause,
         }
     }
 

@@ -30,16 +30,39 @@ impl AttnShape {
     }
 }
 
+/// Queries per block of the blocked (multi-query) path.
+const QUERY_BLOCK: usize = 32;
+
 /// `out[t, h] = softmax(q[t, h] . K^T * scale + mask) . V` for the chunk's queries at positions
 /// `pos0 + t`, over `segments` (in position order, the chunk's own rows last).
+///
+/// A single query (decode) takes the vector path; a chunk takes the blocked path, which computes
+/// each (head, query block) with two GEMMs over only the keys that block can see.
 ///
 /// # Shapes
 /// `out`, `q`: `[n, heads, head_dim]`; each segment: `[rows, kv_heads, head_dim]`.
 pub fn attention(out: &mut [f32], q: &[f32], pos0: usize, segments: &[KvSegment], s: AttnShape) {
+    assert_eq!(out.len(), q.len(), "attention: out");
+    if q.len() == s.heads * s.head_dim {
+        attention_vector(out, q, pos0, segments, s);
+    } else {
+        attention_blocked(out, q, pos0, segments, s);
+    }
+}
+
+/// The rows `a..b` of `seg` whose positions lie in `lo..=hi`.
+fn rows_in(seg: &KvSegment, row: usize, lo: usize, hi: usize) -> std::ops::Range<usize> {
+    let rows = seg.k.len() / row;
+    let a = lo.max(seg.pos0).min(seg.pos0 + rows) - seg.pos0;
+    let b = (hi + 1).max(seg.pos0).min(seg.pos0 + rows) - seg.pos0;
+    a..b.max(a)
+}
+
+/// One query per (token, head): dot products and an axpy over the visible keys.
+fn attention_vector(out: &mut [f32], q: &[f32], pos0: usize, segments: &[KvSegment], s: AttnShape) {
     let hd = s.head_dim;
     let row = s.kv_heads * hd;
     let group = s.heads / s.kv_heads;
-    assert_eq!(out.len(), q.len(), "attention: out");
     out.par_chunks_mut(hd)
         .zip(q.par_chunks(hd))
         .enumerate()
@@ -48,15 +71,9 @@ pub fn attention(out: &mut [f32], q: &[f32], pos0: usize, segments: &[KvSegment]
             let pos = pos0 + t;
             let lo = s.first_visible(pos);
             let g = (h / group) * hd;
-            let visible = |seg: &KvSegment| {
-                let rows = seg.k.len() / row;
-                let a = lo.max(seg.pos0).min(seg.pos0 + rows) - seg.pos0;
-                let b = (pos + 1).max(seg.pos0).min(seg.pos0 + rows) - seg.pos0;
-                a..b
-            };
             let mut scores = Vec::with_capacity(pos + 1 - lo);
             for seg in segments {
-                for r in visible(seg) {
+                for r in rows_in(seg, row, lo, pos) {
                     let mut x = dot(q, &seg.k[r * row + g..r * row + g + hd]) * s.scale;
                     if let Some(cap) = s.softcap {
                         x = (x / cap).tanh() * cap;
@@ -68,7 +85,7 @@ pub fn attention(out: &mut [f32], q: &[f32], pos0: usize, segments: &[KvSegment]
             out.fill(0.0);
             let mut p = scores.iter();
             for seg in segments {
-                for r in visible(seg) {
+                for r in rows_in(seg, row, lo, pos) {
                     let w = *p.next().expect("one score per visible key");
                     let v = &seg.v[r * row + g..r * row + g + hd];
                     for (o, &v) in out.iter_mut().zip(v) {
@@ -77,6 +94,141 @@ pub fn attention(out: &mut [f32], q: &[f32], pos0: usize, segments: &[KvSegment]
                 }
             }
         });
+}
+
+/// Blocks of queries per head: `S = Q K^T` and `O = P V` as GEMMs over the key range the block
+/// can see, masked per query in between.
+fn attention_blocked(
+    out: &mut [f32],
+    q: &[f32],
+    pos0: usize,
+    segments: &[KvSegment],
+    s: AttnShape,
+) {
+    let hd = s.head_dim;
+    let row = s.kv_heads * hd;
+    let qrow = s.heads * hd;
+    let n = q.len() / qrow;
+    let group = s.heads / s.kv_heads;
+    let blocks = n.div_ceil(QUERY_BLOCK);
+
+    // Each task owns the output rows of one (block, head); collect them, then scatter.
+    let results: Vec<(usize, usize, Vec<f32>)> = (0..blocks * s.heads)
+        .into_par_iter()
+        .map(|task| {
+            let (b, h) = (task / s.heads, task % s.heads);
+            let t0 = b * QUERY_BLOCK;
+            let bq = QUERY_BLOCK.min(n - t0);
+            let g = (h / group) * hd;
+            let (first_q, last_q) = (pos0 + t0, pos0 + t0 + bq - 1);
+            let lo = s.first_visible(first_q);
+            let parts: Vec<(&KvSegment, std::ops::Range<usize>)> = segments
+                .iter()
+                .map(|seg| (seg, rows_in(seg, row, lo, last_q)))
+                .filter(|(_, r)| !r.is_empty())
+                .collect();
+            let nk: usize = parts.iter().map(|(_, r)| r.len()).sum();
+
+            // S[bq, nk] = Q[t0.., h] . K^T
+            let mut scores = vec![0.0f32; bq * nk];
+            let q_blk = &q[t0 * qrow + h * hd..];
+            let mut col = 0;
+            for (seg, r) in &parts {
+                let k = &seg.k[r.start * row + g..];
+                // SAFETY: Q is read as bq x hd with row stride qrow inside `q`; K^T as hd x len
+                // with column stride `row` inside the segment; S is written as bq x len at
+                // column offset `col` with row stride nk. All ranges lie inside their slices.
+                unsafe {
+                    gemm::gemm(
+                        bq,
+                        r.len(),
+                        hd,
+                        scores.as_mut_ptr().add(col),
+                        1,
+                        nk as isize,
+                        false,
+                        q_blk.as_ptr(),
+                        1,
+                        qrow as isize,
+                        k.as_ptr(),
+                        row as isize,
+                        1,
+                        0.0,
+                        1.0,
+                        false,
+                        false,
+                        false,
+                        gemm::Parallelism::None,
+                    );
+                }
+                col += r.len();
+            }
+
+            // Scale, cap, mask and softmax each query's row.
+            for t in 0..bq {
+                let qpos = first_q + t;
+                let first = s.first_visible(qpos);
+                let srow = &mut scores[t * nk..(t + 1) * nk];
+                let mut c = 0;
+                for (seg, r) in &parts {
+                    for key in r.clone() {
+                        let kpos = seg.pos0 + key;
+                        let x = &mut srow[c];
+                        if kpos > qpos || kpos < first {
+                            *x = f32::NEG_INFINITY;
+                        } else {
+                            *x *= s.scale;
+                            if let Some(cap) = s.softcap {
+                                *x = (*x / cap).tanh() * cap;
+                            }
+                        }
+                        c += 1;
+                    }
+                }
+                softmax(srow);
+            }
+
+            // O[bq, hd] = P . V
+            let mut o = vec![0.0f32; bq * hd];
+            let mut col = 0;
+            for (i, (seg, r)) in parts.iter().enumerate() {
+                let v = &seg.v[r.start * row + g..];
+                // SAFETY: P is read as bq x len at column offset `col` (row stride nk), V as
+                // len x hd with row stride `row`, O written as bq x hd; all inside their slices.
+                unsafe {
+                    gemm::gemm(
+                        bq,
+                        hd,
+                        r.len(),
+                        o.as_mut_ptr(),
+                        1,
+                        hd as isize,
+                        i > 0,
+                        scores.as_ptr().add(col),
+                        1,
+                        nk as isize,
+                        v.as_ptr(),
+                        1,
+                        row as isize,
+                        1.0,
+                        1.0,
+                        false,
+                        false,
+                        false,
+                        gemm::Parallelism::None,
+                    );
+                }
+                col += r.len();
+            }
+            (t0, h, o)
+        })
+        .collect();
+
+    for (t0, h, o) in results {
+        for (t, o) in o.chunks_exact(hd).enumerate() {
+            out[(t0 + t) * qrow + h * hd..][..hd].copy_from_slice(o);
+        }
+    }
 }
 
 /// Naive oracle of [`attention`]: full K/V in position order, an explicit additive mask as
