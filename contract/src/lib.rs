@@ -6,11 +6,15 @@
 //! parity tests prove that they agree within a [`Tolerance`].
 
 mod config;
+mod dynamic;
 mod error;
+pub mod handles;
 mod model;
 mod tolerance;
 
 pub use config::{LayerKind, ModelConfig, DEFAULT_CONTEXT_CAPACITY};
+pub use dynamic::{DynModel, Session};
 pub use error::{Error, Result};
+pub use handles::HandleTable;
 pub use model::{argmax, check, KvModel, Logits, Next};
 pub use tolerance::Tolerance;
