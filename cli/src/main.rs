@@ -22,6 +22,8 @@ enum Command {
     Parity(commands::parity::Args),
     /// The catalog demo: prefill the prefix once, then serve turns from its snapshot.
     Demo(commands::demo::Args),
+    /// Performance scenarios (catalog, scaling, limits) measured against this machine's limits.
+    Bench(commands::bench::Args),
 }
 
 fn main() -> std::process::ExitCode {
@@ -31,6 +33,7 @@ fn main() -> std::process::ExitCode {
         Command::TinyModel(args) => commands::tiny::run(args),
         Command::Parity(args) => commands::parity::run(args),
         Command::Demo(args) => commands::demo::run(args),
+        Command::Bench(args) => commands::bench::run(args),
     };
     match result {
         Ok(code) => code,

@@ -1,6 +1,7 @@
 //! One module per subcommand; each has clap `Args` and `run`.
 
 pub mod backend;
+pub mod bench;
 pub mod demo;
 pub mod fetch;
 pub mod parity;

@@ -1,0 +1,432 @@
+//! The catalog scenario: prefill the prefix once, snapshot it, then serve each turn from the
+//! snapshot (restore, extend by the utterance, greedy steps), and what a stateless runtime would
+//! have paid for the same turn.
+
+use std::time::Instant;
+
+use anyhow::ensure;
+use kvsnap_contract::{KvModel, Logits};
+use serde_json::{json, Value};
+
+use super::floor::CostModel;
+use super::limits::Limits;
+use super::{fmt_s, median, percentile, Workload};
+
+/// Timings of one served turn.
+#[derive(Clone, Debug)]
+pub struct Turn {
+    /// Snapshot of the prefix snapshot (the restore).
+    pub restore_s: f64,
+    /// Extend by the utterance.
+    pub extend_s: f64,
+    /// Each greedy step.
+    pub step_s: Vec<f64>,
+    /// Restore to release, everything included.
+    pub total_s: f64,
+    /// Greedy tokens: the extend's, then each step's.
+    pub tokens: Vec<u32>,
+}
+
+/// Turns served from one prefix snapshot.
+#[derive(Clone, Debug)]
+pub struct Served {
+    /// Prefill of the prefix.
+    pub prefill_s: f64,
+    /// Snapshot of the prefilled prefix.
+    pub snapshot_s: f64,
+    /// Live KV bytes of the prefix snapshot.
+    pub kv_bytes: u64,
+    /// Best copy of `kv_bytes` between two already faulted-in buffers.
+    pub memcpy_s: f64,
+    /// The turns, in order.
+    pub turns: Vec<Turn>,
+}
+
+/// What the stateless contract would cost for one turn.
+#[derive(Clone, Debug)]
+pub struct Stateless {
+    /// Sum over the turn's steps.
+    pub turn_s: f64,
+    /// `measured` (every step run) or `extrapolated` (one step run, the others scaled by FLOPs).
+    pub kind: &'static str,
+    /// The measured stateless step on the whole prompt.
+    pub first_step_s: f64,
+}
+
+/// Prefills the prefix, snapshots it and serves `turns` turns of `extend + steps`.
+pub fn serve<M: KvModel>(
+    model: &M,
+    w: &Workload,
+    turns: usize,
+    steps: usize,
+) -> anyhow::Result<Served> {
+    ensure!(turns > 0, "at least one turn");
+    eprintln!("prefilling the {}-token prefix ...", w.prefix.len());
+    let t = Instant::now();
+    let (prefix_kv, _) = model.prefill(&w.prefix, Logits::Skip)?;
+    let prefill_s = t.elapsed().as_secs_f64();
+    let t = Instant::now();
+    let snapshot = model.snapshot(&prefix_kv)?;
+    let snapshot_s = t.elapsed().as_secs_f64();
+    model.release(prefix_kv)?;
+    let kv_bytes = model.kv_bytes(&snapshot);
+    eprintln!(
+        "prefix prefill {}, snapshot {} ({:.1} MiB)",
+        fmt_s(prefill_s),
+        fmt_s(snapshot_s),
+        kv_bytes as f64 / (1 << 20) as f64
+    );
+
+    let mut served = Vec::with_capacity(turns);
+    for index in 0..turns {
+        let t0 = Instant::now();
+        let mut kv = model.snapshot(&snapshot)?;
+        let restore_s = t0.elapsed().as_secs_f64();
+        let t = Instant::now();
+        let mut next = model.extend(&mut kv, &w.utterance, Logits::Skip)?;
+        let extend_s = t.elapsed().as_secs_f64();
+        let mut tokens = vec![next.token];
+        let mut step_s = Vec::with_capacity(steps);
+        for _ in 0..steps {
+            let t = Instant::now();
+            next = model.step(&mut kv, next.token, Logits::Skip)?;
+            step_s.push(t.elapsed().as_secs_f64());
+            tokens.push(next.token);
+        }
+        model.release(kv)?;
+        let total_s = t0.elapsed().as_secs_f64();
+        eprintln!(
+            "turn {}/{turns}: {} (restore {}, extend {}, steps {})",
+            index + 1,
+            fmt_s(total_s),
+            fmt_s(restore_s),
+            fmt_s(extend_s),
+            fmt_s(step_s.iter().sum())
+        );
+        served.push(Turn {
+            restore_s,
+            extend_s,
+            step_s,
+            total_s,
+            tokens,
+        });
+    }
+    let first = &served[0].tokens;
+    ensure!(
+        served.iter().all(|t| &t.tokens == first),
+        "turns served from one snapshot produced different tokens: a snapshot is not independent"
+    );
+    model.release(snapshot)?;
+    Ok(Served {
+        prefill_s,
+        snapshot_s,
+        kv_bytes,
+        memcpy_s: memcpy_seconds(kv_bytes as usize),
+        turns: served,
+    })
+}
+
+/// The stateless cost of a turn that produced `tokens` after `prompt`: one fresh prefill of the
+/// whole sequence per produced token (head sliced). Runs every step when `measure`, otherwise
+/// runs the first and scales it by the FLOPs of the others.
+pub fn stateless_turn<M: KvModel>(
+    model: &M,
+    cost: &CostModel,
+    prompt: &[u32],
+    tokens: &[u32],
+    measure: bool,
+) -> anyhow::Result<Stateless> {
+    let mut seq = prompt.to_vec();
+    let mut times = Vec::new();
+    // Extrapolation rests on one step, so it is timed twice and the faster run kept.
+    let calls = if measure { tokens.len() } else { 2 };
+    for (i, &token) in tokens.iter().take(calls).enumerate() {
+        if !measure {
+            seq.truncate(prompt.len());
+        }
+        eprintln!(
+            "stateless step {}/{calls} on {} tokens ...",
+            i + 1,
+            seq.len()
+        );
+        let t = Instant::now();
+        let (kv, _) = model.prefill(&seq, Logits::Skip)?;
+        times.push(t.elapsed().as_secs_f64());
+        model.release(kv)?;
+        seq.push(token);
+    }
+    let first_step_s = if measure {
+        times[0]
+    } else {
+        times.iter().copied().fold(f64::INFINITY, f64::min)
+    };
+    let (turn_s, kind) = if measure {
+        (times.iter().sum(), "measured")
+    } else {
+        let base = cost.stateless_step(prompt.len()).flops;
+        let sum: f64 = (0..tokens.len())
+            .map(|s| first_step_s * cost.stateless_step(prompt.len() + s).flops / base)
+            .sum();
+        (sum, "extrapolated")
+    };
+    Ok(Stateless {
+        turn_s,
+        kind,
+        first_step_s,
+    })
+}
+
+/// Best of five copies of `bytes` between two buffers whose pages are already mapped.
+fn memcpy_seconds(bytes: usize) -> f64 {
+    let src = vec![1u8; bytes];
+    let mut dst = vec![0u8; bytes];
+    (0..5)
+        .map(|_| {
+            let t = Instant::now();
+            dst.copy_from_slice(&src);
+            std::hint::black_box(&dst);
+            t.elapsed().as_secs_f64()
+        })
+        .fold(f64::INFINITY, f64::min)
+}
+
+/// Measures the whole catalog scenario.
+pub fn measure<M: KvModel>(
+    model: &M,
+    w: &Workload,
+    turns: usize,
+    steps: usize,
+    measure_stateless: bool,
+) -> anyhow::Result<(Served, Stateless)> {
+    let served = serve(model, w, turns, steps)?;
+    let cost = CostModel::new(model.config());
+    let stateless = stateless_turn(
+        model,
+        &cost,
+        &w.prompt(),
+        &served.turns[0].tokens,
+        measure_stateless,
+    )?;
+    Ok((served, stateless))
+}
+
+/// The catalog figures with their floors.
+pub struct Report {
+    json: Value,
+    table: Vec<[String; 4]>,
+    header: String,
+    footer: Vec<String>,
+}
+
+impl Report {
+    /// Sets the measured `run` against the floors of `cost` at `limits`.
+    pub fn new(
+        backend: &str,
+        w: &Workload,
+        run: &(Served, Stateless),
+        cost: &CostModel,
+        limits: &Limits,
+        peak_rss: u64,
+    ) -> Self {
+        let (served, stateless) = run;
+        let (np, nu) = (w.prefix.len(), w.utterance.len());
+        let steps = served.turns[0].step_s.len();
+        let turn_s: Vec<f64> = served.turns.iter().map(|t| t.total_s).collect();
+        let all_steps: Vec<f64> = served
+            .turns
+            .iter()
+            .flat_map(|t| t.step_s.iter().copied())
+            .collect();
+        let extend: Vec<f64> = served.turns.iter().map(|t| t.extend_s).collect();
+        let restore: Vec<f64> = served.turns.iter().map(|t| t.restore_s).collect();
+        let (p50, p90) = (percentile(&turn_s, 50.0), percentile(&turn_s, 90.0));
+        let decode_step_s = if all_steps.is_empty() {
+            0.0
+        } else {
+            median(&all_steps)
+        };
+        let (extend_s, restore_s) = (median(&extend), median(&restore));
+
+        let prefill = cost.chunk(0, np);
+        let extend_work = cost.chunk(np, nu);
+        let prompt = np + nu;
+        // The median step of a turn sits in its middle.
+        let mid_step = cost.chunk(prompt + steps / 2, 1);
+        let floor_prefill = prefill.floor_s(limits);
+        let floor_extend = extend_work.floor_s(limits);
+        let floor_step = mid_step.floor_s(limits);
+        let floor_turn = floor_extend
+            + (0..steps)
+                .map(|s| cost.chunk(prompt + s, 1).floor_s(limits))
+                .sum::<f64>();
+        let weights = cost.weights_bytes();
+        let greedy_ok = served.turns[0]
+            .tokens
+            .iter()
+            .zip(&w.greedy)
+            .take_while(|(a, b)| a == b)
+            .count();
+
+        let json = json!({
+            "backend": backend,
+            "case": w.case,
+            "prefix_tokens": np,
+            "prefix_prefill_s": served.prefill_s,
+            "turns": served.turns.len(),
+            "turn_steps": steps,
+            "turn_p50_s": p50,
+            "turn_p90_s": p90,
+            "turn_s": turn_s,
+            "snapshot_s": served.snapshot_s,
+            "restore_s": restore_s,
+            "kv_bytes": served.kv_bytes,
+            "memcpy_kv_s": served.memcpy_s,
+            "decode_step_s": decode_step_s,
+            "extend_tokens": nu,
+            "extend_s": extend_s,
+            "stateless_turn_s": stateless.turn_s,
+            "stateless_turn_kind": stateless.kind,
+            "stateless_step_prompt_s": stateless.first_step_s,
+            "stateless_ratio": stateless.turn_s / p50,
+            "read_bandwidth_bps": limits.read_bandwidth_bps,
+            "sgemm_flops": limits.sgemm_flops,
+            "limits": limits.json(),
+            "floor_decode_step_s": floor_step,
+            "floor_extend_s": floor_extend,
+            "floor_turn_s": floor_turn,
+            "floor_prefix_prefill_s": floor_prefill,
+            "prefix_prefill_flops": prefill.flops,
+            "decode_step_bytes": mid_step.bytes,
+            "peak_rss_bytes": peak_rss,
+            "weights_bytes": weights,
+            "greedy_tokens": served.turns[0].tokens,
+            "greedy_matches_oracle_prefix": greedy_ok,
+        });
+
+        let x = |measured: f64, floor: f64| format!("{:.2}x", measured / floor);
+        let table = vec![
+            [
+                format!("prefix prefill ({np} tok)"),
+                fmt_s(served.prefill_s),
+                fmt_s(floor_prefill),
+                x(served.prefill_s, floor_prefill),
+            ],
+            [
+                format!("turn p50 (extend {nu} + {steps} steps)"),
+                fmt_s(p50),
+                fmt_s(floor_turn),
+                x(p50, floor_turn),
+            ],
+            [
+                "turn p90".into(),
+                fmt_s(p90),
+                fmt_s(floor_turn),
+                x(p90, floor_turn),
+            ],
+            [
+                format!("extend ({nu} tok), median"),
+                fmt_s(extend_s),
+                fmt_s(floor_extend),
+                x(extend_s, floor_extend),
+            ],
+            [
+                "decode step, median".into(),
+                fmt_s(decode_step_s),
+                fmt_s(floor_step),
+                x(decode_step_s, floor_step),
+            ],
+            [
+                "snapshot of the prefix".into(),
+                fmt_s(served.snapshot_s),
+                format!("{} memcpy", fmt_s(served.memcpy_s)),
+                x(served.snapshot_s, served.memcpy_s),
+            ],
+            [
+                "restore, median".into(),
+                fmt_s(restore_s),
+                format!("{} memcpy", fmt_s(served.memcpy_s)),
+                x(restore_s, served.memcpy_s),
+            ],
+            [
+                format!("stateless turn ({})", stateless.kind),
+                fmt_s(stateless.turn_s),
+                String::new(),
+                format!("{:.0}x p50", stateless.turn_s / p50),
+            ],
+            [
+                "peak RSS".into(),
+                format!("{:.0} MB", peak_rss as f64 / 1e6),
+                format!("{:.0} MB weights", weights as f64 / 1e6),
+                format!("+{:.0} MB", (peak_rss as f64 - weights as f64) / 1e6),
+            ],
+        ];
+        let header = format!(
+            "catalog `{}` on {backend}: {np}-token prefix prefilled once ({:.1} MiB KV), {} turns of restore + extend {nu} + {steps} greedy steps",
+            w.case,
+            served.kv_bytes as f64 / (1 << 20) as f64,
+            served.turns.len()
+        );
+        let footer = vec![
+            format!(
+                "prefill {:.0} tok/s = {:.0}% of the SGEMM rate; decode {:.1} tok/s = {:.0}% of the read bandwidth ({:.0} MB per step)",
+                np as f64 / served.prefill_s,
+                100.0 * floor_prefill / served.prefill_s,
+                1.0 / decode_step_s,
+                100.0 * floor_step / decode_step_s,
+                mid_step.bytes / 1e6
+            ),
+            format!(
+                "limits ({} threads): read {:.2} GB/s, SGEMM {:.1} GFLOP/s; greedy tokens match the oracle for {greedy_ok}/{}",
+                limits.threads,
+                limits.read_bandwidth_bps / 1e9,
+                limits.sgemm_flops / 1e9,
+                w.greedy.len().min(served.turns[0].tokens.len())
+            ),
+        ];
+        Report {
+            json,
+            table,
+            header,
+            footer,
+        }
+    }
+
+    /// Prints the table on stdout.
+    pub fn print(&self) {
+        println!("{}", self.header);
+        print_table(&["figure", "measured", "floor", "vs floor"], &self.table);
+        for line in &self.footer {
+            println!("{line}");
+        }
+    }
+
+    /// The JSON object of the keys (and a few more).
+    pub fn json(&self) -> Value {
+        self.json.clone()
+    }
+}
+
+/// Prints aligned columns: the first left-aligned, the others right-aligned.
+pub fn print_table<const N: usize>(header: &[&str; N], rows: &[[String; N]]) {
+    let mut width = header.map(str::len);
+    for row in rows {
+        for (w, cell) in width.iter_mut().zip(row) {
+            *w = (*w).max(cell.len());
+        }
+    }
+    let line = |cells: Vec<&str>| {
+        let mut s = String::new();
+        for (i, (cell, w)) in cells.iter().zip(width).enumerate() {
+            if i == 0 {
+                s += &format!("{cell:<w$}");
+            } else {
+                s += &format!("  {cell:>w$}");
+            }
+        }
+        println!("{}", s.trim_end());
+    };
+    line(header.to_vec());
+    for row in rows {
+        line(row.iter().map(String::as_str).collect());
+    }
+}

@@ -1,0 +1,156 @@
+//! The machine's own limits, measured in the benchmark's process: read bandwidth (a parallel sum
+//! over a buffer far larger than the last-level cache) and the rate of a large SGEMM (the `gemm`
+//! crate, all cores). Every other figure is stated against these.
+
+use std::hint::black_box;
+use std::time::Instant;
+
+use rayon::prelude::*;
+use serde_json::{json, Value};
+
+/// Measured limits of this machine.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Limits {
+    /// Bytes per second a parallel sum streams from memory (best pass).
+    pub read_bandwidth_bps: f64,
+    /// FLOP/s of an `n x n x n` f32 GEMM on all cores (best run).
+    pub sgemm_flops: f64,
+    /// Size of the bandwidth buffer.
+    pub buffer_bytes: u64,
+    /// Side of the SGEMM.
+    pub sgemm_n: usize,
+    /// Threads of rayon's pool (the ones the backends use).
+    pub threads: usize,
+}
+
+impl Limits {
+    /// The better of two measurements of each limit.
+    pub fn best(&self, other: &Limits) -> Limits {
+        Limits {
+            read_bandwidth_bps: self.read_bandwidth_bps.max(other.read_bandwidth_bps),
+            sgemm_flops: self.sgemm_flops.max(other.sgemm_flops),
+            ..*self
+        }
+    }
+
+    /// The limits as JSON fields.
+    pub fn json(&self) -> Value {
+        json!({
+            "read_bandwidth_bps": self.read_bandwidth_bps,
+            "sgemm_flops": self.sgemm_flops,
+            "bandwidth_buffer_bytes": self.buffer_bytes,
+            "sgemm_n": self.sgemm_n,
+            "threads": self.threads,
+        })
+    }
+}
+
+/// Measures both limits: `buffer_bytes` for the bandwidth sum, an `sgemm_n`-sided SGEMM.
+pub fn measure(buffer_bytes: u64, sgemm_n: usize) -> Limits {
+    eprintln!(
+        "limits: read bandwidth over {:.2} GiB ...",
+        buffer_bytes as f64 / (1u64 << 30) as f64
+    );
+    let read_bandwidth_bps = read_bandwidth(buffer_bytes as usize / 4, 5);
+    eprintln!("limits: SGEMM {sgemm_n}^3 ...");
+    let sgemm_flops = sgemm_rate(sgemm_n, 3);
+    Limits {
+        read_bandwidth_bps,
+        sgemm_flops,
+        buffer_bytes,
+        sgemm_n,
+        threads: rayon::current_num_threads(),
+    }
+}
+
+/// Best-of-`passes` bytes/s of a parallel sum over `len` f32 (pages touched beforehand).
+fn read_bandwidth(len: usize, passes: usize) -> f64 {
+    // Touch every page in parallel, with values the compiler cannot fold away.
+    let mut buf = vec![0.0f32; len];
+    buf.par_chunks_mut(1 << 16)
+        .enumerate()
+        .for_each(|(i, c)| c.fill(i as f32 * 1e-9));
+    let bytes = (len * 4) as f64;
+    let mut best = f64::INFINITY;
+    for _ in 0..passes {
+        let t = Instant::now();
+        let s: f32 = buf.par_chunks(1 << 16).map(sum8).sum();
+        black_box(s);
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    bytes / best
+}
+
+/// Sum with eight independent accumulators, so the loop vectorises and is bound by loads.
+fn sum8(x: &[f32]) -> f32 {
+    let mut acc = [0.0f32; 8];
+    let chunks = x.chunks_exact(8);
+    let tail: f32 = chunks.remainder().iter().sum();
+    for c in chunks {
+        for k in 0..8 {
+            acc[k] += c[k];
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
+/// Best-of-`runs` FLOP/s of `C = A B` with `n x n` f32 matrices on rayon's pool.
+fn sgemm_rate(n: usize, runs: usize) -> f64 {
+    let a: Vec<f32> = (0..n * n).map(|i| (i % 7) as f32 * 0.25).collect();
+    let b: Vec<f32> = (0..n * n).map(|i| (i % 5) as f32 * 0.5).collect();
+    let mut c = vec![0.0f32; n * n];
+    let flops = 2.0 * (n as f64).powi(3);
+    let mut best = f64::INFINITY;
+    // One warm-up run (pack buffers, thread wake-up), then the timed ones.
+    for run in 0..=runs {
+        let t = Instant::now();
+        // SAFETY: all three buffers are n x n row-major (row stride n, column stride 1).
+        unsafe {
+            gemm::gemm(
+                n,
+                n,
+                n,
+                c.as_mut_ptr(),
+                1,
+                n as isize,
+                false,
+                a.as_ptr(),
+                1,
+                n as isize,
+                b.as_ptr(),
+                1,
+                n as isize,
+                0.0,
+                1.0,
+                false,
+                false,
+                false,
+                gemm::Parallelism::Rayon(0),
+            );
+        }
+        black_box(&c);
+        if run > 0 {
+            best = best.min(t.elapsed().as_secs_f64());
+        }
+    }
+    flops / best
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sum8_handles_tails() {
+        let x: Vec<f32> = (0..19).map(|i| i as f32).collect();
+        assert_eq!(sum8(&x), 171.0);
+        assert_eq!(sum8(&[]), 0.0);
+    }
+
+    #[test]
+    fn small_limits_are_positive_and_finite() {
+        let l = measure(1 << 20, 64);
+        assert!(l.read_bandwidth_bps.is_finite() && l.read_bandwidth_bps > 0.0);
+        assert!(l.sgemm_flops.is_finite() && l.sgemm_flops > 0.0);
+    }
+}

@@ -1,0 +1,181 @@
+//! criterion micro-benchmarks of the reference kernels at Gemma 3 270M's shapes.
+//!
+//! - `matvec/*`: decode projections (one token) including the 640 -> 262144 head;
+//! - `matmul/*`: the same projections for a 22-token extend and an 860-token prefill;
+//! - `attention/*`: one decode query and a 32-query chunk over 64, 512 and 1024 keys (4 query
+//!   heads sharing one KV head of 256);
+//! - `rms_norm/*`: one 640 row and an 860-row prefill;
+//! - `snapshot/*`: the clone of an 860-token `ReferenceKv` (real KV shapes: 18 layers, 1 KV head
+//!   of 256, 512-key windows), built by a prefill on a model with the real KV shapes and a small
+//!   vocabulary and hidden size (the KV does not depend on those).
+//!
+//! Throughput is reported in bytes of weights (matvec: bytes streamed) or elements, so the
+//! numbers compare directly with `kvsnap bench limits`.
+//!
+//! Run: `cargo bench -p kvsnap-reference --bench kernels` (a filter narrows it, e.g. `-- matvec`).
+
+use std::hint::black_box;
+use std::path::PathBuf;
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use kvsnap_contract::{KvModel, Logits, ModelConfig};
+use kvsnap_reference::attention::{attention, AttnShape};
+use kvsnap_reference::kernels::{matmul, matvec, rms_norm};
+use kvsnap_reference::kv::KvSegment;
+use kvsnap_reference::tiny::{config_json, random_weights, Preset};
+use kvsnap_reference::{write_safetensors, ReferenceModel};
+
+/// The model's projections: (name, in, out).
+const PROJECTIONS: [(&str, usize, usize); 4] = [
+    ("q_640x1024", 640, 1024),
+    ("kv_640x256", 640, 256),
+    ("ffn_640x2048", 640, 2048),
+    ("down_2048x640", 2048, 640),
+];
+
+/// Deterministic values in [-1, 1).
+fn values(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+fn bench_matvec(c: &mut Criterion) {
+    let mut g = c.benchmark_group("matvec");
+    let head = ("head_640x262144", 640, 262_144);
+    for (name, i, o) in PROJECTIONS.into_iter().chain([head]) {
+        let w = values(o * i, 1);
+        let x = values(i, 2);
+        let mut out = vec![0.0; o];
+        g.throughput(Throughput::Bytes((o * i * 4) as u64));
+        if o * i > 1 << 24 {
+            g.sample_size(20);
+        }
+        g.bench_function(name, |b| {
+            b.iter(|| matvec(black_box(&mut out), &x, &w, i, o))
+        });
+    }
+    g.finish();
+}
+
+fn bench_matmul(c: &mut Criterion) {
+    let mut g = c.benchmark_group("matmul");
+    g.sample_size(20);
+    for n in [22usize, 860] {
+        for (name, i, o) in PROJECTIONS {
+            let w = values(o * i, 1);
+            let x = values(n * i, 2);
+            let mut out = vec![0.0; n * o];
+            g.throughput(Throughput::Elements((2 * n * i * o) as u64));
+            g.bench_with_input(BenchmarkId::new(name, n), &n, |b, &n| {
+                b.iter(|| matmul(black_box(&mut out), &x, &w, n, i, o))
+            });
+        }
+    }
+    g.finish();
+}
+
+fn bench_attention(c: &mut Criterion) {
+    let s = AttnShape {
+        heads: 4,
+        kv_heads: 1,
+        head_dim: 256,
+        window: None,
+        scale: 1.0 / 16.0,
+        softcap: None,
+    };
+    let qrow = s.heads * s.head_dim;
+    let row = s.kv_heads * s.head_dim;
+    let mut g = c.benchmark_group("attention");
+    for keys in [64usize, 512, 1024] {
+        let k = values(keys * row, 3);
+        let v = values(keys * row, 4);
+        let segs = [KvSegment {
+            k: &k,
+            v: &v,
+            pos0: 0,
+        }];
+        for queries in [1usize, 32] {
+            let q = values(queries * qrow, 5);
+            let mut out = vec![0.0; q.len()];
+            // The chunk's last query sits at the last key.
+            let pos0 = keys - queries;
+            let name = if queries == 1 { "decode" } else { "chunk32" };
+            g.throughput(Throughput::Elements((queries * keys) as u64));
+            g.bench_with_input(BenchmarkId::new(name, keys), &keys, |b, _| {
+                b.iter(|| attention(black_box(&mut out), &q, pos0, &segs, s))
+            });
+        }
+    }
+    g.finish();
+}
+
+fn bench_rms_norm(c: &mut Criterion) {
+    let mut g = c.benchmark_group("rms_norm");
+    let w = values(640, 6);
+    for rows in [1usize, 860] {
+        let x = values(rows * 640, 7);
+        let mut out = vec![0.0; x.len()];
+        g.throughput(Throughput::Elements(x.len() as u64));
+        g.bench_with_input(BenchmarkId::new("640", rows), &rows, |b, _| {
+            b.iter(|| rms_norm(black_box(&mut out), &x, &w, 1e-6))
+        });
+    }
+    g.finish();
+}
+
+/// A model with Gemma 3 270M's KV shapes (layers, kinds, KV heads, head_dim, window) and a small
+/// vocabulary and hidden size, written to a temporary directory.
+fn kv_shaped_model() -> ReferenceModel {
+    let mut json: serde_json::Value =
+        serde_json::from_str(&config_json(Preset::RealShapes)).expect("preset config is JSON");
+    json["vocab_size"] = 1024.into();
+    json["hidden_size"] = 64.into();
+    json["intermediate_size"] = 128.into();
+    let text = json.to_string();
+    let dir: PathBuf = std::env::temp_dir().join(format!("kvsnap-bench-kv-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    std::fs::write(dir.join("config.json"), &text).expect("write config");
+    let cfg = ModelConfig::from_json(&text, &dir.join("config.json")).expect("valid config");
+    let tensors = random_weights(&cfg, 0);
+    write_safetensors(&dir.join("model.safetensors"), &tensors, None).expect("write weights");
+    let model = ReferenceModel::load_config(&dir, cfg).expect("load");
+    // The weights are memory-mapped: unlinking the files leaves the mapping valid.
+    std::fs::remove_dir_all(&dir).ok();
+    model
+}
+
+fn bench_snapshot(c: &mut Criterion) {
+    let model = kv_shaped_model();
+    let ids: Vec<u32> = (0..860u32).map(|i| (i * 7 + 3) % 1024).collect();
+    let (kv, _) = model.prefill(&ids, Logits::Skip).expect("prefill");
+    let bytes = model.kv_bytes(&kv);
+    let mut g = c.benchmark_group("snapshot");
+    g.throughput(Throughput::Bytes(bytes));
+    g.bench_function("clone_860_tokens", |b| {
+        b.iter(|| black_box(model.snapshot(&kv).expect("snapshot")))
+    });
+    // What the snapshot is judged against: a copy of the same bytes into mapped memory.
+    let src = vec![1u8; bytes as usize];
+    let mut dst = vec![0u8; bytes as usize];
+    g.bench_function("memcpy_same_bytes", |b| {
+        b.iter(|| black_box(&mut dst).copy_from_slice(&src))
+    });
+    g.finish();
+}
+
+criterion_group!(
+    benches,
+    bench_matvec,
+    bench_matmul,
+    bench_attention,
+    bench_rms_norm,
+    bench_snapshot
+);
+criterion_main!(benches);
