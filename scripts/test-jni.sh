@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The JNI bridge's Java test: builds the cdylib and the `expected` example (the Rust API's
+# tokens), compiles the Java API and its test with javac, and runs the test against the built
+# library on the tiny model and, when present, the real one (required when
+# KVSNAP_REQUIRE_MODEL=1). Closes with `jni: N passed, N failed`; exits non-zero on a failure.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+TARGET="${CARGO_TARGET_DIR:-$ROOT/target}"
+WORK="$TARGET/jni-test"
+REAL="${KVSNAP_MODEL_DIR:-$ROOT/models/gemma-3-270m}"
+
+echo "== jni: build the library and the expected-tokens example"
+cargo build --release -p kvsnap-jni --lib --example expected
+case "$(uname -s)" in
+    Darwin) LIB="$TARGET/release/libkvsnap_jni.dylib" ;;
+    *) LIB="$TARGET/release/libkvsnap_jni.so" ;;
+esac
+EXPECTED="$TARGET/release/examples/expected"
+
+rm -rf "$WORK"
+mkdir -p "$WORK/classes"
+
+echo "== jni: expected tokens from the Rust API"
+# flow arguments: prefix length, turns, utterance length, steps per turn, seed.
+"$EXPECTED" tiny "$WORK/tiny"
+"$EXPECTED" flow "$WORK/tiny" 40 3 6 5 7 >"$WORK/tiny.expected"
+MODELS=(--model tiny "$WORK/tiny" "$WORK/tiny.expected")
+if [[ -f "$REAL/config.json" && -f "$REAL/model.safetensors" ]]; then
+    "$EXPECTED" flow "$REAL" 96 2 12 6 11 >"$WORK/real.expected"
+    MODELS+=(--model gemma-3-270m "$REAL" "$WORK/real.expected")
+elif [[ "${KVSNAP_REQUIRE_MODEL:-0}" == 1 ]]; then
+    echo "test-jni.sh: KVSNAP_REQUIRE_MODEL=1 but there is no model at $REAL (run scripts/setup.sh)" >&2
+    exit 1
+else
+    MODELS+=(--skip gemma-3-270m "no model at $REAL (run scripts/setup.sh; KVSNAP_REQUIRE_MODEL=1 makes this a failure)")
+fi
+
+echo "== jni: javac"
+javac -Xlint:all -Werror -d "$WORK/classes" jni/java/dev/kvsnap/*.java jni/java/test/dev/kvsnap/*.java
+
+echo "== jni: Java test against $LIB"
+# -Xcheck:jni makes the JVM validate every JNI call the bridge makes.
+java -Xcheck:jni -Dkvsnap.library.path="$LIB" -cp "$WORK/classes" dev.kvsnap.JniTest "${MODELS[@]}"
