@@ -471,43 +471,75 @@ impl<'a> Forward<'a> {
         (o, k_ring, v_ring)
     }
 
-    /// Writes the chunk's valid rows into slots `(pos0 + i) % W` of `ring` with one scatter.
+    /// Writes the chunk's valid rows into slots `(pos0 + i) % W` of `ring`, in place.
     ///
-    /// Row `i` of the scatter goes to slot `(pos0 + i) % W` (always in range) and carries the
-    /// value that slot must hold after the chunk: the row of the LAST valid chunk row with the
-    /// same slot, `j = (valid - 1) - ((valid - 1 - i) mod W)`, or the slot's current value
-    /// when no valid row maps there (`j < 0`: padding rows of a short chunk). Duplicate slots
-    /// (chunks longer than the window) therefore carry equal rows, and padding never
-    /// overwrites a live position.
+    /// The chunk touches at most two contiguous runs of slots (it wraps at most once when
+    /// `C <= W`), so two `dynamic_update_slice`s of `B = min(C, W)` rows cover them: one at
+    /// `min(pos0 % W, W - B)` and one at slot 0. Each block row carries the value its slot
+    /// must hold after the chunk: the row of the LAST valid chunk row with that slot,
+    /// `j = (valid - 1) - ((valid - 1 - (s - pos0)) mod W)`, or the slot's current value when
+    /// no valid row maps there (`j < 0`). Both blocks therefore agree where they overlap, and
+    /// padding rows never overwrite a live position.
+    ///
+    /// IREE still copies the ring once per call here (any read of an argument before its
+    /// `dynamic_update_slice` makes the update copy-on-write; attention must read the ring
+    /// before the chunk overwrites it), so the ring results are new buffers; the full buffers
+    /// of global layers, written before they are read, are updated in place.
     fn ring_write(&mut self, ch: &Chunk, ring: &Value, rows: &Value, w: usize, c: usize) -> Value {
         let rows = self.b.transpose(rows, &[2, 0, 1]); // [C, kvh, hd]
-        let iota = self.b.iota(&[c], 0);
-        let pos0 = self.splat(&ch.pos0, &[c]);
-        let pos = self.b.add(&pos0, &iota);
-        let wc = self.i32(w as i32, &[c]);
-        let slot = self.b.remainder(&pos, &wc);
+        let block = c.min(w);
+        let wv = self.i32(w as i32, &[]);
+        let start = self.b.remainder(&ch.pos0, &wv);
+        let hi = self.i32((w - block) as i32, &[]);
+        let a = self.b.min(&start, &hi);
+        let zero = self.i32(0, &[]);
+        let mut ring = self.ring_block(ch, ring, &rows, &a, block);
+        if block < w {
+            ring = self.ring_block(ch, &ring, &rows, &zero, block);
+        }
+        ring
+    }
 
-        let valid = self.splat(&ch.valid, &[c]);
-        let one = self.i32(1, &[c]);
-        let last = self.b.sub(&valid, &one);
-        let d = self.b.sub(&last, &iota);
-        // Lift `d >= -(C - 1)` to non-negative before the truncated remainder.
-        let lift = self.i32((w * c.div_ceil(w)) as i32, &[c]);
+    /// Writes slots `at..at + block` of `ring` with their after-chunk values (see
+    /// [`Forward::ring_write`]).
+    fn ring_block(
+        &mut self,
+        ch: &Chunk,
+        ring: &Value,
+        rows: &Value,
+        at: &Value,
+        block: usize,
+    ) -> Value {
+        let (w, c) = (ring.dims()[0], rows.dims()[0]);
+        let iota = self.b.iota(&[block], 0);
+        let at_b = self.splat(at, &[block]);
+        let slot = self.b.add(&at_b, &iota);
+        // d = (valid - 1) - (slot - pos0 % W) >= -W - C + 2, lifted by a multiple of W to
+        // non-negative before the truncated remainder.
+        let wv = self.i32(w as i32, &[]);
+        let p = self.b.remainder(&ch.pos0, &wv);
+        let p = self.splat(&p, &[block]);
+        let one = self.i32(1, &[]);
+        let last = self.b.sub(&ch.valid, &one);
+        let last = self.splat(&last, &[block]);
+        let d = self.b.sub(&last, &slot);
+        let d = self.b.add(&d, &p);
+        let lift = self.i32((w * (1 + c.div_ceil(w))) as i32, &[block]);
         let d = self.b.add(&d, &lift);
-        let m = self.b.remainder(&d, &wc);
+        let wb = self.i32(w as i32, &[block]);
+        let m = self.b.remainder(&d, &wb);
         let j = self.b.sub(&last, &m);
-        let zero = self.i32(0, &[c]);
-        let has_src = self.b.compare(Cmp::Ge, &j, &zero);
-        let j = self.b.max(&j, &zero);
-
-        let j = self.b.reshape(&j, &[c, 1]);
-        let slot = self.b.reshape(&slot, &[c, 1]);
-        let fresh = self.b.gather_rows(&rows, &j);
-        let old = self.b.gather_rows(ring, &slot);
+        let zeros = self.i32(0, &[block]);
+        let has_src = self.b.compare(Cmp::Ge, &j, &zeros);
+        let j = self.b.max(&j, &zeros);
+        let j = self.b.reshape(&j, &[block, 1]);
+        let fresh = self.b.gather_rows(rows, &j);
+        let zero = self.i32(0, &[]);
         let dims = fresh.dims().to_vec();
+        let old = self.b.dynamic_slice(ring, &[at, &zero, &zero], &dims);
         let has_src = self.b.broadcast_in_dim(&has_src, &dims, &[0]);
         let upd = self.b.select(&has_src, &fresh, &old);
-        self.b.scatter_rows(ring, &slot, &upd)
+        self.b.dynamic_update_slice(ring, &upd, &[at, &zero, &zero])
     }
 
     /// Global layer: write the chunk's rows at `pos0` (padding rows land past the valid end and
