@@ -1,0 +1,527 @@
+//! The compile step: StableHLO MLIR text -> IREE VM flatbuffer (vmfb), through the `iree-compile`
+//! executable of the pip package `iree-base-compiler==3.13.0`.
+//!
+//! The compiler must match the runtime that eerie-sys vendors (3.13): a vmfb from another IREE
+//! version does not load, so [`Compiler::discover`] refuses any other version up front.
+//!
+//! Results are cached on disk, keyed by the sha256 of (MLIR text, flags, compiler version), so a
+//! second compile of the same module costs one hash and one file read.
+
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kvsnap_contract::{Error, Result};
+use sha2::{Digest, Sha256};
+
+/// Environment variable naming the `iree-compile` executable to use.
+pub const COMPILER_ENV: &str = "KVSNAP_IREE_COMPILE";
+/// Environment variable naming the compile cache directory.
+pub const CACHE_DIR_ENV: &str = "KVSNAP_CACHE_DIR";
+/// The compiler release line the runtime accepts.
+pub const REQUIRED_VERSION_PREFIX: &str = "3.13.";
+
+/// How much of the compiler's stderr an error keeps (the tail holds the diagnostic).
+const STDERR_TAIL_BYTES: usize = 6000;
+/// How often a running compile reports its elapsed time.
+const PROGRESS_INTERVAL: Duration = Duration::from_secs(10);
+
+/// What the compiled module runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Target {
+    /// Host CPU code for the `local-task` driver.
+    LlvmCpu,
+    /// SPIR-V for the `vulkan` driver (default target environment of IREE 3.13).
+    VulkanSpirv,
+}
+
+impl Target {
+    /// The name used in messages and cache entries: `llvm-cpu` or `vulkan-spirv`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Target::LlvmCpu => "llvm-cpu",
+            Target::VulkanSpirv => "vulkan-spirv",
+        }
+    }
+
+    /// The backend name errors carry for this target: `iree-cpu` or `iree-vulkan`.
+    pub fn backend(self) -> &'static str {
+        match self {
+            Target::LlvmCpu => "iree-cpu",
+            Target::VulkanSpirv => "iree-vulkan",
+        }
+    }
+
+    /// The `iree-compile` flags selecting this target (input is always StableHLO).
+    pub fn flags(self) -> Vec<String> {
+        let flags: &[&str] = match self {
+            Target::LlvmCpu => &[
+                "--iree-input-type=stablehlo",
+                "--iree-hal-target-device=local",
+                "--iree-hal-local-target-device-backends=llvm-cpu",
+                "--iree-llvmcpu-target-cpu=host",
+            ],
+            Target::VulkanSpirv => &[
+                "--iree-input-type=stablehlo",
+                "--iree-hal-target-device=vulkan",
+            ],
+        };
+        flags.iter().map(|s| s.to_string()).collect()
+    }
+}
+
+/// Progress of one compile, reported through the callback of [`Compiler::compile`].
+#[derive(Debug, Clone)]
+pub enum CompileProgress {
+    /// The module was found in the cache; nothing is compiled.
+    CacheHit {
+        /// The cached vmfb.
+        path: PathBuf,
+    },
+    /// The compiler was started.
+    Started {
+        /// Size of the MLIR text in bytes.
+        mlir_bytes: usize,
+        /// The target being compiled for.
+        target: Target,
+    },
+    /// The compiler is still running.
+    Running {
+        /// Time since [`CompileProgress::Started`].
+        elapsed: Duration,
+        /// The target being compiled for.
+        target: Target,
+    },
+    /// The compiler finished successfully and the vmfb is in the cache.
+    Finished {
+        /// Wall time of the compile.
+        elapsed: Duration,
+        /// Size of the vmfb in bytes.
+        vmfb_bytes: usize,
+        /// The target compiled for.
+        target: Target,
+    },
+}
+
+impl std::fmt::Display for CompileProgress {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CompileProgress::CacheHit { path } => write!(f, "using cached {}", path.display()),
+            CompileProgress::Started { mlir_bytes, target } => write!(
+                f,
+                "compiling {} KB of MLIR for {} ...",
+                mlir_bytes.div_ceil(1024),
+                target.name()
+            ),
+            CompileProgress::Running { elapsed, target } => write!(
+                f,
+                "  ... still compiling for {} ({:.0} s)",
+                target.name(),
+                elapsed.as_secs_f64()
+            ),
+            CompileProgress::Finished {
+                elapsed,
+                vmfb_bytes,
+                target,
+            } => write!(
+                f,
+                "compiled for {} in {:.1} s ({} KB vmfb)",
+                target.name(),
+                elapsed.as_secs_f64(),
+                vmfb_bytes.div_ceil(1024)
+            ),
+        }
+    }
+}
+
+/// A compiled module: the vmfb bytes and where the cache keeps them.
+#[derive(Debug, Clone)]
+pub struct Compiled {
+    /// The IREE VM flatbuffer.
+    pub vmfb: Vec<u8>,
+    /// The cache file holding the same bytes.
+    pub path: PathBuf,
+    /// Whether the module came from the cache.
+    pub cache_hit: bool,
+    /// The cache key (hex sha256).
+    pub key: String,
+}
+
+/// A located and version-checked `iree-compile`, plus the cache it compiles into.
+#[derive(Debug, Clone)]
+pub struct Compiler {
+    exe: PathBuf,
+    version: String,
+    cache_dir: PathBuf,
+    extra_flags: Vec<String>,
+}
+
+fn tool_error(op: impl Into<String>, status: impl Into<String>) -> Error {
+    Error::Backend {
+        backend: "iree-compile",
+        op: op.into(),
+        status: status.into(),
+    }
+}
+
+impl Compiler {
+    /// Finds `iree-compile`: `$KVSNAP_IREE_COMPILE`, else `.venv/bin/iree-compile` in the current
+    /// directory or one of its parents (or the workspace this crate was built in), else `PATH`.
+    /// Checks that it is a 3.13.x compiler.
+    pub fn discover() -> Result<Self> {
+        let exe = find_compiler().ok_or_else(|| {
+            tool_error(
+                "find iree-compile",
+                format!(
+                    "iree-compile not found: set {COMPILER_ENV}, or run scripts/setup-iree.sh \
+                     (installs iree-base-compiler==3.13.0 into .venv), or put it on PATH"
+                ),
+            )
+        })?;
+        Self::with_executable(exe)
+    }
+
+    /// Uses the given `iree-compile` executable after checking its version.
+    pub fn with_executable(exe: impl Into<PathBuf>) -> Result<Self> {
+        let exe = exe.into();
+        let version = query_version(&exe)?;
+        if !version_is_supported(&version) {
+            return Err(tool_error(
+                "check iree-compile version",
+                format!(
+                    "{} is IREE compiler {version}, but the runtime is IREE 3.13 and only loads \
+                     modules from a 3.13.x compiler: install iree-base-compiler==3.13.0 \
+                     (scripts/setup-iree.sh)",
+                    exe.display()
+                ),
+            ));
+        }
+        Ok(Compiler {
+            exe,
+            version,
+            cache_dir: default_cache_dir(),
+            extra_flags: Vec::new(),
+        })
+    }
+
+    /// Compiles into (and looks up in) `dir` instead of the default cache directory.
+    pub fn with_cache_dir(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.cache_dir = dir.into();
+        self
+    }
+
+    /// Adds flags passed to every compile after the target flags (part of the cache key).
+    pub fn with_extra_flags<I, S>(mut self, flags: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        self.extra_flags.extend(flags.into_iter().map(Into::into));
+        self
+    }
+
+    /// The compiler's version string, e.g. `3.13.0rc20261016 @ 89ece87b...`.
+    pub fn version(&self) -> &str {
+        &self.version
+    }
+
+    /// The `iree-compile` executable in use.
+    pub fn executable(&self) -> &Path {
+        &self.exe
+    }
+
+    /// The cache directory.
+    pub fn cache_dir(&self) -> &Path {
+        &self.cache_dir
+    }
+
+    /// The full flag list for `target` (target flags, then extra flags).
+    pub fn flags(&self, target: Target) -> Vec<String> {
+        let mut flags = target.flags();
+        flags.extend(self.extra_flags.iter().cloned());
+        flags
+    }
+
+    /// The cache key of compiling `mlir` for `target` with this compiler.
+    pub fn cache_key(&self, mlir: &str, target: Target) -> String {
+        let mut h = Sha256::new();
+        h.update(b"kvsnap-iree-compile-v1\0");
+        h.update(mlir.as_bytes());
+        h.update(b"\0");
+        for flag in self.flags(target) {
+            h.update(flag.as_bytes());
+            h.update(b"\0");
+        }
+        h.update(self.version.as_bytes());
+        hex(&h.finalize())
+    }
+
+    /// Compiles `mlir` for `target`, or returns the cached result of an identical earlier compile.
+    /// `progress` receives a few human-readable events (see [`CompileProgress`]'s `Display`).
+    ///
+    /// A failed compile leaves the MLIR in the cache directory (named in the error) for
+    /// reproduction with `iree-compile` by hand.
+    pub fn compile(
+        &self,
+        mlir: &str,
+        target: Target,
+        progress: &mut dyn FnMut(&CompileProgress),
+    ) -> Result<Compiled> {
+        let key = self.cache_key(mlir, target);
+        let vmfb_path = self.cache_dir.join(format!("{key}.{}.vmfb", target.name()));
+        if vmfb_path.is_file() {
+            let vmfb = std::fs::read(&vmfb_path).map_err(|e| Error::io(&vmfb_path, e))?;
+            progress(&CompileProgress::CacheHit {
+                path: vmfb_path.clone(),
+            });
+            return Ok(Compiled {
+                vmfb,
+                path: vmfb_path,
+                cache_hit: true,
+                key,
+            });
+        }
+
+        std::fs::create_dir_all(&self.cache_dir).map_err(|e| Error::io(&self.cache_dir, e))?;
+        let mlir_path = self.cache_dir.join(format!("{key}.mlir"));
+        std::fs::write(&mlir_path, mlir).map_err(|e| Error::io(&mlir_path, e))?;
+        // Written under a temporary name and renamed, so a concurrent or interrupted compile never
+        // leaves a truncated vmfb under the final name.
+        let tmp_path = self.cache_dir.join(format!(
+            "{key}.{}.{}.tmp",
+            target.name(),
+            std::process::id()
+        ));
+
+        let op = format!("compile for {}", target.name());
+        progress(&CompileProgress::Started {
+            mlir_bytes: mlir.len(),
+            target,
+        });
+        let start = Instant::now();
+        let mut child = Command::new(&self.exe)
+            .args(self.flags(target))
+            .arg(&mlir_path)
+            .arg("-o")
+            .arg(&tmp_path)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .map_err(|e| tool_error(&op, format!("cannot run {}: {e}", self.exe.display())))?;
+
+        // Drain stderr on a thread so a chatty compiler never blocks on a full pipe.
+        let mut stderr_pipe = child.stderr.take();
+        let stderr_reader = std::thread::spawn(move || {
+            let mut buf = Vec::new();
+            if let Some(pipe) = stderr_pipe.as_mut() {
+                let _ = pipe.read_to_end(&mut buf);
+            }
+            buf
+        });
+        let mut last_report = Instant::now();
+        let exit = loop {
+            match child.try_wait() {
+                Ok(Some(exit)) => break exit,
+                Ok(None) => {
+                    if last_report.elapsed() >= PROGRESS_INTERVAL {
+                        last_report = Instant::now();
+                        progress(&CompileProgress::Running {
+                            elapsed: start.elapsed(),
+                            target,
+                        });
+                    }
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                Err(e) => {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    return Err(tool_error(&op, format!("waiting for iree-compile: {e}")));
+                }
+            }
+        };
+        let stderr = stderr_reader.join().unwrap_or_default();
+        let elapsed = start.elapsed();
+
+        if !exit.success() {
+            let _ = std::fs::remove_file(&tmp_path);
+            return Err(tool_error(
+                op,
+                format!(
+                    "iree-compile exited with {exit} after {:.1} s (input kept at {}); stderr tail:\n{}",
+                    elapsed.as_secs_f64(),
+                    mlir_path.display(),
+                    tail(&stderr, STDERR_TAIL_BYTES)
+                ),
+            ));
+        }
+        let vmfb = std::fs::read(&tmp_path).map_err(|e| Error::io(&tmp_path, e))?;
+        std::fs::rename(&tmp_path, &vmfb_path).map_err(|e| Error::io(&vmfb_path, e))?;
+        let _ = std::fs::remove_file(&mlir_path);
+        progress(&CompileProgress::Finished {
+            elapsed,
+            vmfb_bytes: vmfb.len(),
+            target,
+        });
+        Ok(Compiled {
+            vmfb,
+            path: vmfb_path,
+            cache_hit: false,
+            key,
+        })
+    }
+
+    /// Compiles `mlir` and writes the vmfb to `out` as well (for `iree-run-module` and exports).
+    pub fn compile_to_file(
+        &self,
+        mlir: &str,
+        target: Target,
+        out: &Path,
+        progress: &mut dyn FnMut(&CompileProgress),
+    ) -> Result<Compiled> {
+        let compiled = self.compile(mlir, target, progress)?;
+        let mut f = std::fs::File::create(out).map_err(|e| Error::io(out, e))?;
+        f.write_all(&compiled.vmfb).map_err(|e| Error::io(out, e))?;
+        Ok(compiled)
+    }
+}
+
+/// True for a `3.13.x` version string.
+pub fn version_is_supported(version: &str) -> bool {
+    version.starts_with(REQUIRED_VERSION_PREFIX)
+}
+
+/// Runs `iree-compile --version` and returns the text after "IREE compiler version ".
+fn query_version(exe: &Path) -> Result<String> {
+    let op = "check iree-compile version";
+    let out = Command::new(exe)
+        .arg("--version")
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| tool_error(op, format!("cannot run {}: {e}", exe.display())))?;
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    parse_version(&text).ok_or_else(|| {
+        tool_error(
+            op,
+            format!(
+                "{} --version printed no IREE compiler version ({}): {}",
+                exe.display(),
+                out.status,
+                tail(text.as_bytes(), 500)
+            ),
+        )
+    })
+}
+
+/// Extracts the version from `iree-compile --version` output.
+fn parse_version(text: &str) -> Option<String> {
+    let marker = "IREE compiler version ";
+    text.lines().find_map(|line| {
+        line.find(marker)
+            .map(|i| line[i + marker.len()..].trim().to_string())
+    })
+}
+
+fn find_compiler() -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os(COMPILER_ENV) {
+        return Some(PathBuf::from(p));
+    }
+    let venv_exe = Path::new(".venv").join("bin").join("iree-compile");
+    let mut roots = Vec::new();
+    if let Ok(cwd) = std::env::current_dir() {
+        roots.push(cwd);
+    }
+    roots.push(build_workspace_root());
+    for root in &roots {
+        for dir in root.ancestors() {
+            let candidate = dir.join(&venv_exe);
+            if candidate.is_file() {
+                return Some(candidate);
+            }
+        }
+    }
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .map(|dir| dir.join("iree-compile"))
+        .find(|p| p.is_file())
+}
+
+/// The workspace this crate was built in (the parent of this crate's manifest directory).
+fn build_workspace_root() -> PathBuf {
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
+    manifest.parent().unwrap_or(manifest).to_path_buf()
+}
+
+/// `$KVSNAP_CACHE_DIR`, else `.cache/kvsnap/iree` in the enclosing Cargo workspace (found from the
+/// current directory, then the workspace this crate was built in), else in the current directory.
+pub fn default_cache_dir() -> PathBuf {
+    if let Some(p) = std::env::var_os(CACHE_DIR_ENV) {
+        return PathBuf::from(p);
+    }
+    let sub = Path::new(".cache").join("kvsnap").join("iree");
+    let cwd = std::env::current_dir().unwrap_or_else(|_| PathBuf::from("."));
+    let is_workspace_root = |dir: &Path| {
+        std::fs::read_to_string(dir.join("Cargo.toml"))
+            .map(|s| s.contains("[workspace]"))
+            .unwrap_or(false)
+    };
+    if let Some(root) = cwd.ancestors().find(|d| is_workspace_root(d)) {
+        return root.join(sub);
+    }
+    let built = build_workspace_root();
+    if is_workspace_root(&built) {
+        return built.join(sub);
+    }
+    cwd.join(sub)
+}
+
+fn tail(bytes: &[u8], max: usize) -> String {
+    let text = String::from_utf8_lossy(bytes);
+    let text = text.trim_end();
+    if text.len() <= max {
+        return text.to_string();
+    }
+    let mut start = text.len() - max;
+    while !text.is_char_boundary(start) {
+        start += 1;
+    }
+    format!("...{}", &text[start..])
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_the_pip_compiler_version() {
+        let text = "IREE (https://iree.dev):\n  IREE compiler version 3.13.0rc20261016 @ 89ece87b\n  LLVM version 24.0.0git\n";
+        let v = parse_version(text).unwrap();
+        assert_eq!(v, "3.13.0rc20261016 @ 89ece87b");
+        assert!(version_is_supported(&v));
+        assert!(!version_is_supported("3.11.0 @ abc"));
+        assert!(!version_is_supported("3.1.0"));
+    }
+
+    #[test]
+    fn tail_keeps_the_end_on_a_char_boundary() {
+        assert_eq!(tail(b"short\n", 100), "short");
+        let t = tail("ééééé".as_bytes(), 3);
+        assert!(t.starts_with("...") && t.ends_with('é'));
+    }
+
+    #[test]
+    fn progress_reads_like_a_log_line() {
+        let s = CompileProgress::Started {
+            mlir_bytes: 2048,
+            target: Target::LlvmCpu,
+        }
+        .to_string();
+        assert_eq!(s, "compiling 2 KB of MLIR for llvm-cpu ...");
+    }
+}

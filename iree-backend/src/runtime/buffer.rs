@@ -1,0 +1,584 @@
+//! `BufferView`: a device buffer with a shape and an element type, the value IREE functions take
+//! and return. Created by allocation, host upload, zero-copy host import, device copy, or as a
+//! function result; read back to the host only on request.
+
+use std::sync::atomic::Ordering;
+
+use kvsnap_contract::{Error, Result};
+
+use super::device::{Device, ImportMode};
+use super::ffi::{self, sys};
+use super::status::{backend_error, check};
+
+/// Alignment IREE's CPU (heap) allocator requires of imported host memory
+/// (`IREE_HAL_HEAP_BUFFER_ALIGNMENT`).
+pub const HOST_IMPORT_ALIGNMENT: usize = 64;
+
+/// Element types kvsnap passes to and from IREE functions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ElementType {
+    /// 32-bit IEEE float (`f32` in MLIR).
+    F32,
+    /// 16-bit IEEE float (`f16`).
+    F16,
+    /// 32-bit integer (`i32`, signless as in StableHLO).
+    I32,
+    /// 64-bit integer (`i64`, signless).
+    I64,
+    /// 8-bit boolean (`i1` tensors are stored one byte per element).
+    Bool,
+}
+
+impl ElementType {
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            ElementType::F32 | ElementType::I32 => 4,
+            ElementType::F16 => 2,
+            ElementType::I64 => 8,
+            ElementType::Bool => 1,
+        }
+    }
+
+    fn raw(self) -> sys::iree_hal_element_type_t {
+        (match self {
+            ElementType::F32 => sys::iree_hal_element_types_t_IREE_HAL_ELEMENT_TYPE_FLOAT_32,
+            ElementType::F16 => sys::iree_hal_element_types_t_IREE_HAL_ELEMENT_TYPE_FLOAT_16,
+            ElementType::I32 => sys::iree_hal_element_types_t_IREE_HAL_ELEMENT_TYPE_INT_32,
+            ElementType::I64 => sys::iree_hal_element_types_t_IREE_HAL_ELEMENT_TYPE_INT_64,
+            ElementType::Bool => sys::iree_hal_element_types_t_IREE_HAL_ELEMENT_TYPE_BOOL_8,
+        }) as sys::iree_hal_element_type_t
+    }
+
+    fn from_raw(raw: sys::iree_hal_element_type_t) -> Option<Self> {
+        use ElementType::*;
+        #[allow(non_upper_case_globals)]
+        let t = match raw as sys::iree_hal_element_types_t {
+            sys::iree_hal_element_types_t_IREE_HAL_ELEMENT_TYPE_FLOAT_32 => F32,
+            sys::iree_hal_element_types_t_IREE_HAL_ELEMENT_TYPE_FLOAT_16 => F16,
+            sys::iree_hal_element_types_t_IREE_HAL_ELEMENT_TYPE_INT_32
+            | sys::iree_hal_element_types_t_IREE_HAL_ELEMENT_TYPE_SINT_32
+            | sys::iree_hal_element_types_t_IREE_HAL_ELEMENT_TYPE_UINT_32 => I32,
+            sys::iree_hal_element_types_t_IREE_HAL_ELEMENT_TYPE_INT_64
+            | sys::iree_hal_element_types_t_IREE_HAL_ELEMENT_TYPE_SINT_64
+            | sys::iree_hal_element_types_t_IREE_HAL_ELEMENT_TYPE_UINT_64 => I64,
+            sys::iree_hal_element_types_t_IREE_HAL_ELEMENT_TYPE_BOOL_8 => Bool,
+            _ => return None,
+        };
+        Some(t)
+    }
+}
+
+/// A device buffer with a shape and an element type (`iree_hal_buffer_view_t`).
+///
+/// Dropping it releases the reference; the memory goes when IREE holds no other reference (a
+/// function result may share storage with an input, see `docs/IREE.md`).
+///
+/// Thread safety: buffer views are immutable metadata over an atomically reference-counted buffer,
+/// so a `BufferView` is `Send + Sync`. The *contents* are device memory written by queue operations
+/// and function calls: callers must not read a buffer back while a call on another thread writes
+/// it (the values would be torn, though memory stays valid).
+pub struct BufferView {
+    raw: *mut sys::iree_hal_buffer_view_t,
+    device: Device,
+}
+
+// SAFETY: iree_hal_buffer_view_t is immutable after creation and reference counted atomically; the
+// underlying iree_hal_buffer_t is likewise thread-safe to retain/release/map. The owning device is
+// Send + Sync.
+unsafe impl Send for BufferView {}
+// SAFETY: all `&self` methods only read metadata or go through thread-safe device queue operations.
+unsafe impl Sync for BufferView {}
+
+impl Drop for BufferView {
+    fn drop(&mut self) {
+        // SAFETY: `raw` holds exactly one reference, owned by this value.
+        unsafe { sys::iree_hal_buffer_view_release(self.raw) };
+        self.device.inner.live_views.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+impl std::fmt::Debug for BufferView {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BufferView")
+            .field("shape", &self.shape())
+            .field("element_type", &self.element_type())
+            .field("byte_length", &self.byte_length())
+            .field("device", &self.device.kind())
+            .finish()
+    }
+}
+
+fn element_count(shape: &[usize]) -> Option<usize> {
+    shape.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d))
+}
+
+/// Buffer parameters for device-local storage usable by dispatches and transfers.
+fn device_local_params() -> sys::iree_hal_buffer_params_t {
+    sys::iree_hal_buffer_params_t {
+        usage: sys::iree_hal_buffer_usage_bits_t_IREE_HAL_BUFFER_USAGE_DEFAULT as _,
+        access: sys::iree_hal_memory_access_bits_t_IREE_HAL_MEMORY_ACCESS_ALL as _,
+        type_: sys::iree_hal_memory_type_bits_t_IREE_HAL_MEMORY_TYPE_DEVICE_LOCAL as _,
+        queue_affinity: ffi::QUEUE_AFFINITY_ANY,
+        min_alignment: 0,
+    }
+}
+
+impl BufferView {
+    /// Takes ownership of one reference to `raw`.
+    ///
+    /// # Safety
+    /// `raw` must be a live buffer view whose buffer belongs to `device`, and the caller must give
+    /// up the reference it passes.
+    pub(crate) unsafe fn from_raw(raw: *mut sys::iree_hal_buffer_view_t, device: &Device) -> Self {
+        device.inner.live_views.fetch_add(1, Ordering::Relaxed);
+        BufferView {
+            raw,
+            device: device.clone(),
+        }
+    }
+
+    pub(crate) fn raw(&self) -> *mut sys::iree_hal_buffer_view_t {
+        self.raw
+    }
+
+    fn buffer(&self) -> *mut sys::iree_hal_buffer_t {
+        // SAFETY: `raw` is live; the buffer is borrowed from the view for as long as `self` lives.
+        unsafe { sys::iree_hal_buffer_view_buffer(self.raw) }
+    }
+
+    /// Wraps a buffer (taking over our one reference to it) in a view with `shape`/`elem`.
+    fn wrap_buffer(
+        device: &Device,
+        buffer: *mut sys::iree_hal_buffer_t,
+        shape: &[usize],
+        elem: ElementType,
+        op: &dyn Fn() -> String,
+    ) -> Result<BufferView> {
+        let mut raw: *mut sys::iree_hal_buffer_view_t = std::ptr::null_mut();
+        // SAFETY: `buffer` is live; `shape` outlives the call (IREE copies it); out-pointer to a
+        // local. The view retains the buffer, so our reference is released right after.
+        let status = unsafe {
+            let status = sys::iree_hal_buffer_view_create(
+                buffer,
+                shape.len(),
+                shape.as_ptr(),
+                elem.raw(),
+                sys::iree_hal_encoding_types_t_IREE_HAL_ENCODING_TYPE_DENSE_ROW_MAJOR as _,
+                ffi::system_allocator(),
+                &mut raw,
+            );
+            sys::iree_hal_buffer_release(buffer);
+            status
+        };
+        check(device.backend(), op, status)?;
+        // SAFETY: `raw` is a fresh view owning one reference, over a buffer of `device`.
+        Ok(unsafe { BufferView::from_raw(raw, device) })
+    }
+
+    /// Allocates a device-local buffer of `shape` x `elem`. Its contents are undefined until
+    /// written (use [`BufferView::zeros`] for a defined start).
+    pub fn allocate(device: &Device, shape: &[usize], elem: ElementType) -> Result<BufferView> {
+        let op = || format!("allocate {shape:?} x {elem:?}");
+        let bytes = element_count(shape)
+            .and_then(|n| n.checked_mul(elem.size()))
+            .ok_or_else(|| backend_error(device.backend(), op(), "size overflows usize"))?;
+        let mut buffer: *mut sys::iree_hal_buffer_t = std::ptr::null_mut();
+        // SAFETY: the allocator belongs to the live device; out-pointer to a local.
+        let status = unsafe {
+            sys::iree_hal_allocator_allocate_buffer(
+                device.allocator(),
+                device_local_params(),
+                bytes,
+                &mut buffer,
+            )
+        };
+        check(device.backend(), op, status)?;
+        Self::wrap_buffer(device, buffer, shape, elem, &op)
+    }
+
+    /// Allocates a buffer and fills it with zero bytes on the device queue.
+    pub fn zeros(device: &Device, shape: &[usize], elem: ElementType) -> Result<BufferView> {
+        let view = Self::allocate(device, shape, elem)?;
+        let len = view.byte_length();
+        if len > 0 {
+            let pattern: u32 = 0;
+            let target = view.buffer();
+            device.submit_and_wait(&|| format!("zero-fill {len} bytes"), |wait, signal| {
+                // SAFETY: `target` is live (held by `view`); the pattern is copied at submit.
+                unsafe {
+                    sys::iree_hal_device_queue_fill(
+                        device.inner.raw,
+                        ffi::QUEUE_AFFINITY_ANY,
+                        wait,
+                        signal,
+                        target,
+                        0,
+                        len,
+                        (&pattern as *const u32).cast(),
+                        std::mem::size_of::<u32>(),
+                        0,
+                    )
+                }
+            })?;
+        }
+        Ok(view)
+    }
+
+    /// Allocates a buffer of `shape` x `elem` and uploads `bytes` into it.
+    pub fn from_bytes(
+        device: &Device,
+        shape: &[usize],
+        elem: ElementType,
+        bytes: &[u8],
+    ) -> Result<BufferView> {
+        let expected = element_count(shape).map(|n| n * elem.size());
+        if expected != Some(bytes.len()) {
+            return Err(Error::ShapeMismatch {
+                op: "upload to device",
+                what: "host data (bytes)",
+                expected: vec![expected.unwrap_or(usize::MAX)],
+                got: vec![bytes.len()],
+            });
+        }
+        let view = Self::allocate(device, shape, elem)?;
+        view.write_bytes(bytes)?;
+        Ok(view)
+    }
+
+    /// Uploads `data` as an f32 buffer of `shape`.
+    pub fn from_f32(device: &Device, shape: &[usize], data: &[f32]) -> Result<BufferView> {
+        Self::from_bytes(device, shape, ElementType::F32, as_bytes(data))
+    }
+
+    /// Uploads `data` as an i32 buffer of `shape`.
+    pub fn from_i32(device: &Device, shape: &[usize], data: &[i32]) -> Result<BufferView> {
+        Self::from_bytes(device, shape, ElementType::I32, as_bytes(data))
+    }
+
+    /// Overwrites the whole buffer with `bytes` from the host (synchronous).
+    pub fn write_bytes(&self, bytes: &[u8]) -> Result<()> {
+        if bytes.len() != self.byte_length() {
+            return Err(Error::ShapeMismatch {
+                op: "write to device buffer",
+                what: "host data (bytes)",
+                expected: vec![self.byte_length()],
+                got: vec![bytes.len()],
+            });
+        }
+        if bytes.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: `bytes` is readable for its length during the (blocking) transfer; the target
+        // buffer is live and at least that long.
+        let status = unsafe {
+            sys::iree_hal_device_transfer_h2d(
+                self.device.inner.raw,
+                bytes.as_ptr().cast(),
+                self.buffer(),
+                0,
+                bytes.len(),
+                sys::iree_hal_transfer_buffer_flag_bits_t_IREE_HAL_TRANSFER_BUFFER_FLAG_DEFAULT
+                    as _,
+                ffi::infinite_timeout(),
+            )
+        };
+        check(
+            self.device.backend(),
+            || format!("upload {} bytes", bytes.len()),
+            status,
+        )
+    }
+
+    /// Wraps host memory as a read-only buffer without copying where the device allows it (the
+    /// CPU device, memory aligned to [`HOST_IMPORT_ALIGNMENT`]); otherwise copies it into a new
+    /// device buffer. `owner` (a `Vec`, an `Arc<Mmap>`, a `&'static [u8]`...) is kept alive until
+    /// IREE releases the buffer, which may be after this `BufferView` is dropped if a function
+    /// result still references it.
+    ///
+    /// Pass imported buffers only to arguments a function reads: IREE may update arguments in place
+    /// (see `docs/IREE.md`), and the memory is registered read-only.
+    pub fn import_host<O>(
+        device: &Device,
+        owner: O,
+        shape: &[usize],
+        elem: ElementType,
+    ) -> Result<(BufferView, ImportMode)>
+    where
+        O: AsRef<[u8]> + Send + Sync + 'static,
+    {
+        let bytes = owner.as_ref();
+        let expected = element_count(shape).map(|n| n * elem.size());
+        if expected != Some(bytes.len()) {
+            return Err(Error::ShapeMismatch {
+                op: "import host memory",
+                what: "host data (bytes)",
+                expected: vec![expected.unwrap_or(usize::MAX)],
+                got: vec![bytes.len()],
+            });
+        }
+        match Self::try_import(device, owner, shape, elem)? {
+            Ok(view) => {
+                let inner = &device.inner;
+                inner.imports_zero_copy.fetch_add(1, Ordering::Relaxed);
+                inner
+                    .zero_copy_bytes
+                    .fetch_add(view.byte_length() as u64, Ordering::Relaxed);
+                Ok((view, ImportMode::ZeroCopy))
+            }
+            Err((owner, reason)) => {
+                let view = Self::from_bytes(device, shape, elem, owner.as_ref())?;
+                let inner = &device.inner;
+                inner.imports_copied.fetch_add(1, Ordering::Relaxed);
+                inner
+                    .copied_bytes
+                    .fetch_add(view.byte_length() as u64, Ordering::Relaxed);
+                Ok((view, ImportMode::Copied { reason }))
+            }
+        }
+    }
+
+    /// The zero-copy attempt. `Ok(Err((owner, reason)))` hands the owner back for the copy path.
+    #[allow(clippy::type_complexity)]
+    fn try_import<O>(
+        device: &Device,
+        owner: O,
+        shape: &[usize],
+        elem: ElementType,
+    ) -> Result<std::result::Result<BufferView, (O, String)>>
+    where
+        O: AsRef<[u8]> + Send + Sync + 'static,
+    {
+        let bytes = owner.as_ref();
+        let (ptr, len) = (bytes.as_ptr(), bytes.len());
+        if len == 0 {
+            return Ok(Err((owner, "empty host region".into())));
+        }
+        if (ptr as usize) % HOST_IMPORT_ALIGNMENT != 0 {
+            return Ok(Err((
+                owner,
+                format!(
+                    "host memory at offset {} mod {HOST_IMPORT_ALIGNMENT} is not aligned to \
+                     {HOST_IMPORT_ALIGNMENT} bytes",
+                    ptr as usize % HOST_IMPORT_ALIGNMENT
+                ),
+            )));
+        }
+        let params = sys::iree_hal_buffer_params_t {
+            usage: sys::iree_hal_buffer_usage_bits_t_IREE_HAL_BUFFER_USAGE_DEFAULT as _,
+            access: sys::iree_hal_memory_access_bits_t_IREE_HAL_MEMORY_ACCESS_READ as _,
+            type_: (sys::iree_hal_memory_type_bits_t_IREE_HAL_MEMORY_TYPE_DEVICE_LOCAL
+                | sys::iree_hal_memory_type_bits_t_IREE_HAL_MEMORY_TYPE_HOST_VISIBLE)
+                as _,
+            queue_affinity: ffi::QUEUE_AFFINITY_ANY,
+            min_alignment: 0,
+        };
+        let mut external = sys::iree_hal_external_buffer_t {
+            type_:
+                sys::iree_hal_external_buffer_type_e_IREE_HAL_EXTERNAL_BUFFER_TYPE_HOST_ALLOCATION,
+            flags: 0,
+            size: len,
+            ..Default::default()
+        };
+        external.handle.host_allocation.ptr = ptr as *mut std::ffi::c_void;
+
+        // The owner moves to the heap; IREE calls `release_owner::<O>` exactly once when the buffer
+        // is destroyed, which drops it. Until then the pointer above stays valid.
+        let boxed: *mut O = Box::into_raw(Box::new(owner));
+        let callback = sys::iree_hal_buffer_release_callback_t {
+            fn_: Some(release_owner::<O>),
+            user_data: boxed.cast(),
+        };
+        let mut buffer: *mut sys::iree_hal_buffer_t = std::ptr::null_mut();
+        // SAFETY: the allocator belongs to the live device; `external` describes `len` readable
+        // bytes kept alive by `boxed` until the release callback runs; out-pointer to a local.
+        let status = unsafe {
+            sys::iree_hal_allocator_import_buffer(
+                device.allocator(),
+                params,
+                &mut external,
+                callback,
+                &mut buffer,
+            )
+        };
+        if !status.is_null() {
+            // A failed import never calls the release callback: take the owner back.
+            let reason = super::status::consume_to_string(status);
+            // SAFETY: `boxed` came from Box::into_raw above and IREE did not take it.
+            let owner = unsafe { *Box::from_raw(boxed) };
+            return Ok(Err((owner, reason)));
+        }
+        let op = || format!("import {len} host bytes as {shape:?} x {elem:?}");
+        Self::wrap_buffer(device, buffer, shape, elem, &op).map(Ok)
+    }
+
+    /// A new buffer with the same shape, type and contents, copied on the device queue (never
+    /// through the host). Used for KV snapshots: later in-place updates of either buffer do not
+    /// affect the other.
+    pub fn device_copy(&self) -> Result<BufferView> {
+        let shape = self.shape();
+        let elem = self.element_type().ok_or_else(|| {
+            backend_error(
+                self.device.backend(),
+                "device copy",
+                "unsupported element type",
+            )
+        })?;
+        let copy = Self::allocate(&self.device, &shape, elem)?;
+        let len = self.byte_length();
+        if len > 0 {
+            let (src, dst) = (self.buffer(), copy.buffer());
+            self.device.submit_and_wait(
+                &|| format!("device copy of {len} bytes"),
+                |wait, signal| {
+                    // SAFETY: both buffers are live for the whole wait (held by `self`/`copy`).
+                    unsafe {
+                        sys::iree_hal_device_queue_copy(
+                            self.device.inner.raw,
+                            ffi::QUEUE_AFFINITY_ANY,
+                            wait,
+                            signal,
+                            src,
+                            0,
+                            dst,
+                            0,
+                            len,
+                            sys::iree_hal_copy_flag_bits_t_IREE_HAL_COPY_FLAG_NONE as _,
+                        )
+                    }
+                },
+            )?;
+        }
+        Ok(copy)
+    }
+
+    /// Copies the whole buffer to the host (synchronous). The explicit debug/parity path: device
+    /// state never leaves the device otherwise.
+    pub fn read_bytes(&self) -> Result<Vec<u8>> {
+        let len = self.byte_length();
+        let mut out = vec![0u8; len];
+        if len == 0 {
+            return Ok(out);
+        }
+        // SAFETY: `out` has `len` writable bytes; the source buffer is live and `len` long; the
+        // transfer blocks until done.
+        let status = unsafe {
+            sys::iree_hal_device_transfer_d2h(
+                self.device.inner.raw,
+                self.buffer(),
+                0,
+                out.as_mut_ptr().cast(),
+                len,
+                sys::iree_hal_transfer_buffer_flag_bits_t_IREE_HAL_TRANSFER_BUFFER_FLAG_DEFAULT
+                    as _,
+                ffi::infinite_timeout(),
+            )
+        };
+        check(
+            self.device.backend(),
+            || format!("read back {len} bytes"),
+            status,
+        )?;
+        Ok(out)
+    }
+
+    /// Reads an f32 buffer back to the host.
+    pub fn to_f32_vec(&self) -> Result<Vec<f32>> {
+        self.expect_type(ElementType::F32, "read back f32")?;
+        Ok(self
+            .read_bytes()?
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect())
+    }
+
+    /// Reads an i32 buffer back to the host.
+    pub fn to_i32_vec(&self) -> Result<Vec<i32>> {
+        self.expect_type(ElementType::I32, "read back i32")?;
+        Ok(self
+            .read_bytes()?
+            .chunks_exact(4)
+            .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect())
+    }
+
+    fn expect_type(&self, want: ElementType, op: &'static str) -> Result<()> {
+        match self.element_type() {
+            Some(t) if t == want => Ok(()),
+            got => Err(backend_error(
+                self.device.backend(),
+                op,
+                format!("buffer element type is {got:?}, not {want:?}"),
+            )),
+        }
+    }
+
+    /// The shape (dimensions, outermost first).
+    pub fn shape(&self) -> Vec<usize> {
+        // SAFETY: `raw` is live; `shape_dims` points to `rank` dims owned by the view.
+        unsafe {
+            let rank = sys::iree_hal_buffer_view_shape_rank(self.raw);
+            let dims = sys::iree_hal_buffer_view_shape_dims(self.raw);
+            if rank == 0 || dims.is_null() {
+                return Vec::new();
+            }
+            std::slice::from_raw_parts(dims, rank).to_vec()
+        }
+    }
+
+    /// The element type, or `None` for a type kvsnap does not use.
+    pub fn element_type(&self) -> Option<ElementType> {
+        // SAFETY: `raw` is live.
+        ElementType::from_raw(unsafe { sys::iree_hal_buffer_view_element_type(self.raw) })
+    }
+
+    /// Size of the contents in bytes.
+    pub fn byte_length(&self) -> usize {
+        // SAFETY: `raw` is live.
+        unsafe { sys::iree_hal_buffer_view_byte_length(self.raw) }
+    }
+
+    /// The device holding the buffer.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// True if both views are backed by the same device allocation (e.g. a function result that
+    /// IREE wrote in place into an argument).
+    pub fn shares_storage_with(&self, other: &BufferView) -> bool {
+        // SAFETY: both buffers are live; allocated_buffer returns the root allocation of a
+        // (possibly sub-span) buffer without changing reference counts.
+        unsafe {
+            sys::iree_hal_buffer_allocated_buffer(self.buffer())
+                == sys::iree_hal_buffer_allocated_buffer(other.buffer())
+        }
+    }
+}
+
+/// Release callback of imported host memory: drops the owner.
+unsafe extern "C" fn release_owner<O>(
+    user_data: *mut std::ffi::c_void,
+    _buffer: *mut sys::iree_hal_buffer_t,
+) {
+    // A panic must not unwind into C; dropping a Vec or an Mmap does not panic in practice, and if
+    // it did, aborting is the only sound option.
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        // SAFETY: `user_data` is the `Box<O>` leaked by `try_import`; IREE calls this exactly once.
+        drop(unsafe { Box::from_raw(user_data.cast::<O>()) });
+    }));
+    if result.is_err() {
+        std::process::abort();
+    }
+}
+
+/// Plain numbers whose every byte is initialised (no padding), so a slice of them is a byte slice.
+trait Plain: Copy {}
+impl Plain for f32 {}
+impl Plain for i32 {}
+
+/// Views a slice of plain numbers as bytes.
+fn as_bytes<T: Plain>(data: &[T]) -> &[u8] {
+    // SAFETY: `Plain` types have no padding and no invalid bytes; the byte slice covers exactly the
+    // same memory for the same lifetime.
+    unsafe { std::slice::from_raw_parts(data.as_ptr().cast::<u8>(), std::mem::size_of_val(data)) }
+}

@@ -1,0 +1,410 @@
+//! `Session`: one compiled module (vmfb) loaded into a VM context on one device, with the HAL
+//! module in front of it, and `call` by function name. Mirrors `iree_runtime_session_t`, built
+//! directly on the VM API because eerie-sys does not bind `iree/runtime/api.h`.
+
+use std::path::Path;
+
+use kvsnap_contract::{Error, Result};
+
+use super::buffer::BufferView;
+use super::device::Device;
+use super::ffi::{self, sys};
+use super::status::{backend_error, check, consume_to_string};
+
+/// The alignment IREE wants for a vmfb in memory (its archive segments are 64-byte aligned).
+const VMFB_ALIGNMENT: usize = 64;
+
+/// Owned, 64-byte aligned copy of a vmfb: the bytecode module references it for its lifetime.
+struct AlignedBytes {
+    ptr: *mut u8,
+    len: usize,
+}
+
+impl AlignedBytes {
+    fn copy_of(bytes: &[u8]) -> Option<Self> {
+        let layout =
+            std::alloc::Layout::from_size_align(bytes.len().max(1), VMFB_ALIGNMENT).ok()?;
+        // SAFETY: the layout has a non-zero size.
+        let ptr = unsafe { std::alloc::alloc(layout) };
+        if ptr.is_null() {
+            return None;
+        }
+        // SAFETY: `ptr` has room for `bytes.len()` bytes and does not overlap `bytes`.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), ptr, bytes.len()) };
+        Some(AlignedBytes {
+            ptr,
+            len: bytes.len(),
+        })
+    }
+
+    fn span(&self) -> sys::iree_const_byte_span_t {
+        sys::iree_const_byte_span_t {
+            data: self.ptr,
+            data_length: self.len,
+        }
+    }
+}
+
+impl Drop for AlignedBytes {
+    fn drop(&mut self) {
+        let layout = std::alloc::Layout::from_size_align(self.len.max(1), VMFB_ALIGNMENT)
+            .expect("layout was valid at allocation");
+        // SAFETY: allocated in `copy_of` with this layout.
+        unsafe { std::alloc::dealloc(self.ptr, layout) };
+    }
+}
+
+/// A loaded module ready to call.
+///
+/// Thread safety: an IREE VM context must not run two invocations at once, so a `Session` is `Send`
+/// (it may move between threads) but not `Sync`; share one behind a `Mutex` for concurrent callers.
+pub struct Session {
+    // Field order is drop order: the context goes first, then the modules it referenced, then the
+    // vmfb bytes the bytecode module points into, then the device.
+    context: *mut sys::iree_vm_context_t,
+    module: *mut sys::iree_vm_module_t,
+    hal_module: *mut sys::iree_vm_module_t,
+    _vmfb: AlignedBytes,
+    module_name: String,
+    functions: Vec<String>,
+    device: Device,
+    _not_sync: std::marker::PhantomData<std::cell::Cell<()>>,
+}
+
+// SAFETY: the VM context and modules have no thread affinity; the only requirement is that they
+// are not used by two threads at once, which `!Sync` guarantees (every method takes `&self` on a
+// value only one thread can reach).
+unsafe impl Send for Session {}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        // SAFETY: each handle was created in `Session::new` and is released exactly once, the
+        // context (which retains the modules) first.
+        unsafe {
+            sys::iree_vm_context_release(self.context);
+            sys::iree_vm_module_release(self.module);
+            sys::iree_vm_module_release(self.hal_module);
+        }
+    }
+}
+
+/// Releases VM objects on early returns while a session is being built.
+struct Cleanup {
+    hal_module: *mut sys::iree_vm_module_t,
+    module: *mut sys::iree_vm_module_t,
+}
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        // SAFETY: each non-null pointer holds one reference owned by this guard.
+        unsafe {
+            if !self.hal_module.is_null() {
+                sys::iree_vm_module_release(self.hal_module);
+            }
+            if !self.module.is_null() {
+                sys::iree_vm_module_release(self.module);
+            }
+        }
+    }
+}
+
+impl Session {
+    /// Loads a compiled module (vmfb bytes, copied) on `device`.
+    pub fn new(device: &Device, vmfb: &[u8]) -> Result<Session> {
+        let backend = device.backend();
+        let vm = device.inner.instance.inner.vm;
+        let alloc = ffi::system_allocator();
+        let vmfb = AlignedBytes::copy_of(vmfb)
+            .ok_or_else(|| backend_error(backend, "load module", "out of host memory"))?;
+        let mut guard = Cleanup {
+            hal_module: std::ptr::null_mut(),
+            module: std::ptr::null_mut(),
+        };
+
+        // The bytecode module first: a vmfb from another IREE version fails here with a clear
+        // status, before any device state is set up.
+        // SAFETY: the span points into `vmfb`, which the session keeps alive longer than the
+        // module; the null archive allocator tells IREE not to free it.
+        let status = unsafe {
+            sys::iree_vm_bytecode_module_create(
+                vm,
+                sys::iree_vm_bytecode_module_flags_e_IREE_VM_BYTECODE_MODULE_FLAG_NONE as _,
+                vmfb.span(),
+                ffi::null_allocator(),
+                alloc,
+                &mut guard.module,
+            )
+        };
+        check(backend, || "load bytecode module (vmfb)".into(), status)?;
+
+        // The HAL module over the device's one-device group, as in
+        // iree_runtime_session_create_with_device.
+        // SAFETY: the VM instance and group are live; the module retains the group.
+        let status = unsafe {
+            sys::iree_hal_module_create(
+                vm,
+                sys::iree_hal_module_device_policy_default(),
+                device.inner.group,
+                sys::iree_hal_module_flag_bits_t_IREE_HAL_MODULE_FLAG_NONE as _,
+                sys::iree_hal_module_debug_sink_null(),
+                alloc,
+                &mut guard.hal_module,
+            )
+        };
+        check(backend, || "create HAL module".into(), status)?;
+
+        let mut modules = [guard.hal_module, guard.module];
+        let mut context: *mut sys::iree_vm_context_t = std::ptr::null_mut();
+        // SAFETY: both modules are live; the context retains them; out-pointer to a local.
+        let status = unsafe {
+            sys::iree_vm_context_create_with_modules(
+                vm,
+                sys::iree_vm_context_flag_bits_t_IREE_VM_CONTEXT_FLAG_NONE as _,
+                modules.len(),
+                modules.as_mut_ptr(),
+                alloc,
+                &mut context,
+            )
+        };
+        check(
+            backend,
+            || "create VM context (resolve module imports)".into(),
+            status,
+        )?;
+
+        // SAFETY: the module is live; its name view points into the module and is copied at once.
+        let module_name = unsafe { ffi::string_from_view(sys::iree_vm_module_name(guard.module)) };
+        // SAFETY: the module is live.
+        let functions = unsafe { exported_functions(guard.module) };
+        let session = Session {
+            context,
+            module: std::mem::replace(&mut guard.module, std::ptr::null_mut()),
+            hal_module: std::mem::replace(&mut guard.hal_module, std::ptr::null_mut()),
+            _vmfb: vmfb,
+            module_name,
+            functions,
+            device: device.clone(),
+            _not_sync: std::marker::PhantomData,
+        };
+        Ok(session)
+    }
+
+    /// Loads a compiled module from a vmfb file.
+    pub fn from_file(device: &Device, path: impl AsRef<Path>) -> Result<Session> {
+        let path = path.as_ref();
+        let bytes = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+        Self::new(device, &bytes).map_err(|e| match e {
+            Error::Backend {
+                backend,
+                op,
+                status,
+            } => Error::Backend {
+                backend,
+                op: format!("{op} from {}", path.display()),
+                status,
+            },
+            other => other,
+        })
+    }
+
+    /// The module's name (`module` unless the MLIR names it).
+    pub fn module_name(&self) -> &str {
+        &self.module_name
+    }
+
+    /// The names of the module's exported functions.
+    pub fn functions(&self) -> &[String] {
+        &self.functions
+    }
+
+    /// The device the session runs on.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// Calls the exported function `function` with buffer-view arguments and returns its results.
+    /// Synchronous: when it returns, the results (and any argument IREE updated in place) hold
+    /// their final values.
+    ///
+    /// Errors: a function the module does not export (the message lists the exports), inputs
+    /// from another device, and anything IREE rejects (argument count, shapes, element types,
+    /// execution failures) with IREE's status text.
+    pub fn call(&self, function: &str, inputs: &[&BufferView]) -> Result<Vec<BufferView>> {
+        let backend = self.device.backend();
+        let op = || format!("call {}.{function}", self.module_name);
+        let resolved = self.resolve(function)?;
+        if let Some(i) = inputs
+            .iter()
+            .position(|b| !b.device().same_device(&self.device))
+        {
+            return Err(backend_error(
+                backend,
+                op(),
+                format!(
+                    "input {i} lives on another device ({}), not on {}",
+                    inputs[i].device().name(),
+                    self.device.name()
+                ),
+            ));
+        }
+
+        let alloc = ffi::system_allocator();
+        let input_list = VmList::new(inputs.len(), backend)?;
+        for view in inputs {
+            // SAFETY: the view is live; retain_ref adds a reference that push_ref_move hands to the
+            // list (or that we release if the push fails).
+            let status = unsafe {
+                let mut r = sys::iree_hal_buffer_view_retain_ref(view.raw());
+                let status = sys::iree_vm_list_push_ref_move(input_list.0, &mut r);
+                if !status.is_null() {
+                    sys::iree_vm_ref_release(&mut r);
+                }
+                status
+            };
+            check(backend, || format!("{}: pass inputs", op()), status)?;
+        }
+        let output_list = VmList::new(4, backend)?;
+        // SAFETY: context, function and lists are live; the invocation is synchronous and `self`
+        // is not shared between threads (`!Sync`), so the context runs one invocation at a time.
+        let status = unsafe {
+            sys::iree_vm_invoke(
+                self.context,
+                resolved,
+                sys::iree_vm_invocation_flag_bits_t_IREE_VM_INVOCATION_FLAG_NONE as _,
+                std::ptr::null(),
+                input_list.0,
+                output_list.0,
+                alloc,
+            )
+        };
+        check(backend, op, status)?;
+
+        // SAFETY: the output list is live.
+        let count = unsafe { sys::iree_vm_list_size(output_list.0) };
+        let mut outputs = Vec::with_capacity(count);
+        for i in 0..count {
+            let mut r = sys::iree_vm_ref_t::default();
+            // SAFETY: `i` is in range; on success `r` holds one reference we own.
+            let status = unsafe { sys::iree_vm_list_get_ref_retain(output_list.0, i, &mut r) };
+            check(backend, || format!("{}: result {i}", op()), status)?;
+            let mut view: *mut sys::iree_hal_buffer_view_t = std::ptr::null_mut();
+            // SAFETY: `r` is a valid ref; check_deref only inspects its type tag.
+            let status = unsafe { sys::iree_hal_buffer_view_check_deref(r, &mut view) };
+            if !status.is_null() {
+                // SAFETY: we own `r`'s reference.
+                unsafe { sys::iree_vm_ref_release(&mut r) };
+                return Err(backend_error(
+                    backend,
+                    op(),
+                    format!(
+                        "result {i} is not a buffer view (kvsnap functions return tensors): {}",
+                        consume_to_string(status)
+                    ),
+                ));
+            }
+            // SAFETY: `r`'s reference is handed to the BufferView (which releases it on drop);
+            // results of a call on this session live on its device.
+            outputs.push(unsafe { BufferView::from_raw(view, &self.device) });
+        }
+        Ok(outputs)
+    }
+
+    fn resolve(&self, function: &str) -> Result<sys::iree_vm_function_t> {
+        let full_name = format!("{}.{function}", self.module_name);
+        let mut resolved = sys::iree_vm_function_t {
+            module: std::ptr::null_mut(),
+            linkage: 0,
+            ordinal: 0,
+        };
+        // SAFETY: the context is live; the name view borrows `full_name` for the call.
+        let status = unsafe {
+            sys::iree_vm_context_resolve_function(
+                self.context,
+                ffi::string_view(&full_name),
+                &mut resolved,
+            )
+        };
+        if status.is_null() {
+            return Ok(resolved);
+        }
+        let text = consume_to_string(status);
+        Err(backend_error(
+            self.device.backend(),
+            format!("call {full_name}"),
+            format!(
+                "the module has no function `{function}` (exports: {}): {text}",
+                self.functions.join(", ")
+            ),
+        ))
+    }
+}
+
+impl std::fmt::Debug for Session {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Session")
+            .field("module", &self.module_name)
+            .field("functions", &self.functions)
+            .field("device", &self.device)
+            .finish()
+    }
+}
+
+/// A VM variant list released on drop.
+struct VmList(*mut sys::iree_vm_list_t);
+
+impl VmList {
+    fn new(capacity: usize, backend: &'static str) -> Result<VmList> {
+        let mut list: *mut sys::iree_vm_list_t = std::ptr::null_mut();
+        // SAFETY: out-pointer to a local.
+        let status = unsafe {
+            sys::iree_vm_list_create(
+                ffi::undefined_type_def(),
+                capacity,
+                ffi::system_allocator(),
+                &mut list,
+            )
+        };
+        check(backend, || "create VM list".into(), status)?;
+        Ok(VmList(list))
+    }
+}
+
+impl Drop for VmList {
+    fn drop(&mut self) {
+        // SAFETY: the list was created by `VmList::new` and is released once.
+        unsafe { sys::iree_vm_list_release(self.0) };
+    }
+}
+
+/// Names of a module's exported functions (internal `$async` variants included as IREE lists them).
+///
+/// # Safety
+/// `module` must be a live VM module.
+unsafe fn exported_functions(module: *mut sys::iree_vm_module_t) -> Vec<String> {
+    // SAFETY: the caller guarantees `module` is live.
+    let signature = unsafe { sys::iree_vm_module_signature(module) };
+    let mut names = Vec::with_capacity(signature.export_function_count);
+    for ordinal in 0..signature.export_function_count {
+        let mut f = sys::iree_vm_function_t {
+            module: std::ptr::null_mut(),
+            linkage: 0,
+            ordinal: 0,
+        };
+        // SAFETY: `ordinal` is below the export count; out-pointer to a local.
+        let status = unsafe {
+            sys::iree_vm_module_lookup_function_by_ordinal(
+                module,
+                sys::iree_vm_function_linkage_e_IREE_VM_FUNCTION_LINKAGE_EXPORT as _,
+                ordinal,
+                &mut f,
+            )
+        };
+        if status.is_null() {
+            // SAFETY: `f` was filled in; its name points into the module.
+            names.push(unsafe { ffi::string_from_view(sys::iree_vm_function_name(&f)) });
+        } else {
+            consume_to_string(status);
+        }
+    }
+    names
+}

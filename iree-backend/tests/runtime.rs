@@ -1,0 +1,541 @@
+//! The IREE runtime layer end to end: hand-written StableHLO compiled by `iree-compile` 3.13 and
+//! run through `kvsnap_iree::runtime` on the CPU (local-task) and, when one exists, on a Vulkan
+//! device (lavapipe in CI). Also records how IREE treats cache arguments (in place or not): the
+//! findings are written up in docs/IREE.md.
+
+use std::sync::{Arc, OnceLock};
+
+use kvsnap_contract::Error;
+use kvsnap_iree::compile::{Compiler, Target};
+use kvsnap_iree::runtime::{
+    BufferView, Device, DeviceKind, ElementType, ImportMode, Instance, Session,
+    HOST_IMPORT_ALIGNMENT,
+};
+
+const ADD: &str = r#"
+func.func @add(%a: tensor<4xf32>, %b: tensor<4xf32>) -> tensor<4xf32> {
+  %0 = stablehlo.add %a, %b : tensor<4xf32>
+  return %0 : tensor<4xf32>
+}
+"#;
+
+/// Cache rows R, width W. A dynamic_update_slice of one row at a runtime position.
+const DUS: &str = r#"
+func.func @update(%cache: tensor<16x8xf32>, %row: tensor<1x8xf32>, %pos: tensor<i32>) -> tensor<16x8xf32> {
+  %c0 = stablehlo.constant dense<0> : tensor<i32>
+  %0 = stablehlo.dynamic_update_slice %cache, %row, %pos, %c0 : (tensor<16x8xf32>, tensor<1x8xf32>, tensor<i32>, tensor<i32>) -> tensor<16x8xf32>
+  return %0 : tensor<16x8xf32>
+}
+"#;
+
+/// Scatter of 3 rows at rows base, base+1, base+2 (indices computed on the device).
+const SCATTER: &str = r#"
+func.func @scatter(%cache: tensor<16x8xf32>, %rows: tensor<3x8xf32>, %base: tensor<i32>) -> tensor<16x8xf32> {
+  %iota = stablehlo.iota dim = 0 : tensor<3xi32>
+  %b = stablehlo.broadcast_in_dim %base, dims = [] : (tensor<i32>) -> tensor<3xi32>
+  %idx = stablehlo.add %iota, %b : tensor<3xi32>
+  %idx2 = stablehlo.reshape %idx : (tensor<3xi32>) -> tensor<3x1xi32>
+  %0 = "stablehlo.scatter"(%cache, %idx2, %rows) ({
+    ^bb0(%old: tensor<f32>, %new: tensor<f32>):
+      stablehlo.return %new : tensor<f32>
+  }) {
+    scatter_dimension_numbers = #stablehlo.scatter<update_window_dims = [1], inserted_window_dims = [0], scatter_dims_to_operand_dims = [0], index_vector_dim = 1>,
+    indices_are_sorted = true, unique_indices = true
+  } : (tensor<16x8xf32>, tensor<3x1xi32>, tensor<3x8xf32>) -> tensor<16x8xf32>
+  return %0 : tensor<16x8xf32>
+}
+"#;
+
+const ROWS: usize = 16;
+const WIDTH: usize = 8;
+
+fn instance() -> &'static Instance {
+    static INSTANCE: OnceLock<Instance> = OnceLock::new();
+    INSTANCE.get_or_init(|| Instance::new().expect("IREE instance"))
+}
+
+fn compiler() -> &'static Compiler {
+    static COMPILER: OnceLock<Compiler> = OnceLock::new();
+    COMPILER.get_or_init(|| {
+        Compiler::discover().expect("iree-compile 3.13 (run scripts/setup-iree.sh)")
+    })
+}
+
+/// The CPU device, plus the first Vulkan device when one exists (else a visible SKIPPED note).
+fn devices() -> Vec<(Device, Target)> {
+    let mut out = vec![(
+        Device::cpu(instance()).expect("cpu device"),
+        Target::LlvmCpu,
+    )];
+    match Device::vulkan(instance(), 0) {
+        Ok(d) => out.push((d, Target::VulkanSpirv)),
+        Err(Error::Unsupported { .. }) => eprintln!("SKIPPED: no Vulkan device"),
+        Err(e) => panic!("opening the Vulkan device failed: {e}"),
+    }
+    out
+}
+
+fn load(device: &Device, target: Target, mlir: &str) -> Session {
+    let compiled = compiler()
+        .compile(mlir, target, &mut |p| eprintln!("{p}"))
+        .expect("compile");
+    Session::new(device, &compiled.vmfb).expect("load module")
+}
+
+/// Cache contents where element (r, c) is r * 100 + c.
+fn cache_values() -> Vec<f32> {
+    (0..ROWS * WIDTH)
+        .map(|i| ((i / WIDTH) * 100 + i % WIDTH) as f32)
+        .collect()
+}
+
+fn row_values(tag: f32, n: usize) -> Vec<f32> {
+    (0..n * WIDTH).map(|i| -(tag + i as f32)).collect()
+}
+
+/// The expected cache after writing `rows` (row-major, WIDTH wide) at `start`, dropping rows past
+/// the end.
+fn expected_after(start: usize, rows: &[f32]) -> Vec<f32> {
+    let mut want = cache_values();
+    for (k, row) in rows.chunks(WIDTH).enumerate() {
+        let r = start + k;
+        if r < ROWS {
+            want[r * WIDTH..(r + 1) * WIDTH].copy_from_slice(row);
+        }
+    }
+    want
+}
+
+#[test]
+fn add_two_tensors() {
+    for (device, target) in devices() {
+        let session = load(&device, target, ADD);
+        assert!(session.functions().iter().any(|f| f == "add"));
+        let a = BufferView::from_f32(&device, &[4], &[1.0, 2.0, 3.0, 4.0]).unwrap();
+        let b = BufferView::from_f32(&device, &[4], &[10.0, 20.0, 30.0, 40.5]).unwrap();
+        let out = session.call("add", &[&a, &b]).unwrap();
+        assert_eq!(out.len(), 1);
+        assert_eq!(out[0].shape(), vec![4]);
+        assert_eq!(out[0].element_type(), Some(ElementType::F32));
+        assert_eq!(out[0].byte_length(), 16);
+        assert_eq!(
+            out[0].to_f32_vec().unwrap(),
+            vec![11.0, 22.0, 33.0, 44.5],
+            "{target:?}"
+        );
+    }
+}
+
+/// How IREE treated the cache argument of one call.
+#[derive(Debug)]
+struct InPlace {
+    input_updated: bool,
+    output_shares_input: bool,
+}
+
+fn run_cache_update(
+    session: &Session,
+    device: &Device,
+    function: &str,
+    new_rows: &[f32],
+    position: i32,
+) -> (InPlace, Vec<f32>) {
+    let cache = BufferView::from_f32(device, &[ROWS, WIDTH], &cache_values()).unwrap();
+    let rows = BufferView::from_f32(device, &[new_rows.len() / WIDTH, WIDTH], new_rows).unwrap();
+    let pos = BufferView::from_i32(device, &[], &[position]).unwrap();
+    let out = session.call(function, &[&cache, &rows, &pos]).unwrap();
+    assert_eq!(out.len(), 1);
+    let result = out[0].to_f32_vec().unwrap();
+    let input_after = cache.to_f32_vec().unwrap();
+    let input_updated = input_after != cache_values();
+    if input_updated {
+        assert_eq!(
+            input_after, result,
+            "an in-place update must leave the result"
+        );
+    }
+    (
+        InPlace {
+            input_updated,
+            output_shares_input: out[0].shares_storage_with(&cache),
+        },
+        result,
+    )
+}
+
+#[test]
+fn dynamic_update_slice_on_a_cache_argument() {
+    for (device, target) in devices() {
+        let session = load(&device, target, DUS);
+        let row = row_values(1000.0, 1);
+        for pos in [0, 5, 15] {
+            let (in_place, result) = run_cache_update(&session, &device, "update", &row, pos);
+            assert_eq!(
+                result,
+                expected_after(pos as usize, &row),
+                "{target:?} pos {pos}"
+            );
+            eprintln!(
+                "FINDING {}: dynamic_update_slice at {pos}: {in_place:?}",
+                target.name()
+            );
+            // Recorded in docs/IREE.md: IREE 3.13 writes the update into the caller's buffer and
+            // returns that same buffer. If this changes, update the doc (snapshots stay correct
+            // either way: they are device copies).
+            assert!(
+                in_place.input_updated && in_place.output_shares_input,
+                "{target:?}"
+            );
+        }
+    }
+}
+
+#[test]
+fn scatter_into_a_cache_argument() {
+    for (device, target) in devices() {
+        let session = load(&device, target, SCATTER);
+        let rows = row_values(2000.0, 3);
+        // Rows 3, 4, 5: all in range.
+        let (in_place, result) = run_cache_update(&session, &device, "scatter", &rows, 3);
+        assert_eq!(result, expected_after(3, &rows), "{target:?}");
+        eprintln!("FINDING {}: scatter at 3: {in_place:?}", target.name());
+        // Recorded in docs/IREE.md, as for dynamic_update_slice.
+        assert!(
+            in_place.input_updated && in_place.output_shares_input,
+            "{target:?}"
+        );
+
+        // Out-of-bounds rows (14, 15, 16 and 100, 101, 102): StableHLO/XLA semantics drop them.
+        // Vulkan does; IREE 3.13's llvm-cpu scatter does NOT bounds-check and writes past the end
+        // of the buffer (heap corruption, a crash for far indices: docs/IREE.md), so the CPU case
+        // is not run. Graphs must keep scatter indices in range.
+        if device.kind() == DeviceKind::Cpu {
+            eprintln!("SKIPPED on llvm-cpu: out-of-bounds scatter corrupts memory (docs/IREE.md)");
+            continue;
+        }
+        for base in [14, 100] {
+            let neighbour =
+                BufferView::from_f32(&device, &[ROWS, WIDTH], &[7.0; ROWS * WIDTH]).unwrap();
+            let (_, result) = run_cache_update(&session, &device, "scatter", &rows, base);
+            assert_eq!(
+                result,
+                expected_after(base as usize, &rows),
+                "{target:?} {base}"
+            );
+            assert_eq!(neighbour.to_f32_vec().unwrap(), vec![7.0; ROWS * WIDTH]);
+        }
+    }
+}
+
+#[test]
+fn device_copy_is_an_independent_snapshot() {
+    for (device, target) in devices() {
+        let session = load(&device, target, DUS);
+        let cache = BufferView::from_f32(&device, &[ROWS, WIDTH], &cache_values()).unwrap();
+        let snapshot = cache.device_copy().unwrap();
+        assert!(!snapshot.shares_storage_with(&cache));
+        assert_eq!(snapshot.shape(), vec![ROWS, WIDTH]);
+
+        // Update the original: the snapshot keeps the old contents.
+        let row = row_values(3000.0, 1);
+        let pos = BufferView::from_i32(&device, &[], &[7]).unwrap();
+        let r = BufferView::from_f32(&device, &[1, WIDTH], &row).unwrap();
+        let out = session.call("update", &[&cache, &r, &pos]).unwrap();
+        assert_eq!(out[0].to_f32_vec().unwrap(), expected_after(7, &row));
+        assert_eq!(snapshot.to_f32_vec().unwrap(), cache_values(), "{target:?}");
+
+        // Update the snapshot: the original's current contents stay.
+        let before = cache.to_f32_vec().unwrap();
+        let row2 = row_values(4000.0, 1);
+        let r2 = BufferView::from_f32(&device, &[1, WIDTH], &row2).unwrap();
+        let out2 = session.call("update", &[&snapshot, &r2, &pos]).unwrap();
+        assert_eq!(out2[0].to_f32_vec().unwrap(), expected_after(7, &row2));
+        assert_eq!(cache.to_f32_vec().unwrap(), before, "{target:?}");
+    }
+}
+
+fn backend_text(e: Error) -> (String, String) {
+    match e {
+        Error::Backend { op, status, .. } => (op, status),
+        other => panic!("expected a backend error, got {other:?}"),
+    }
+}
+
+#[test]
+fn errors_are_typed_and_carry_iree_text() {
+    for (device, target) in devices() {
+        // Missing vmfb file: an I/O error naming the path.
+        let missing = std::env::temp_dir().join("kvsnap-no-such-module.vmfb");
+        match Session::from_file(&device, &missing) {
+            Err(Error::Io { path, .. }) => assert_eq!(path, missing),
+            other => panic!("expected Io, got {other:?}"),
+        }
+        // Not a vmfb: IREE's loader rejects it.
+        let (op, status) = backend_text(Session::new(&device, b"not a vmfb at all").unwrap_err());
+        assert!(op.contains("bytecode module"), "{op}");
+        assert!(!status.is_empty());
+
+        let session = load(&device, target, ADD);
+        let a = BufferView::from_f32(&device, &[4], &[1.0; 4]).unwrap();
+
+        // Missing function: named, with the exports listed.
+        let (op, status) = backend_text(session.call("nope", &[&a, &a]).unwrap_err());
+        assert!(op.contains("module.nope"), "{op}");
+        assert!(
+            status.contains("no function `nope`") && status.contains("add"),
+            "{status}"
+        );
+        assert!(
+            status.contains("NOT_FOUND"),
+            "IREE's text is kept: {status}"
+        );
+
+        // Wrong input count.
+        let (_, status) = backend_text(session.call("add", &[&a]).unwrap_err());
+        eprintln!("IREE on a wrong input count: {status}");
+        assert!(status.contains("INVALID_ARGUMENT"), "{status}");
+
+        // Wrong shape.
+        let short = BufferView::from_f32(&device, &[3], &[1.0; 3]).unwrap();
+        let (_, status) = backend_text(session.call("add", &[&a, &short]).unwrap_err());
+        eprintln!("IREE on a wrong shape: {status}");
+        assert!(status.contains("mismatch"), "{status}");
+
+        // Wrong element type.
+        let ints = BufferView::from_i32(&device, &[4], &[1; 4]).unwrap();
+        let (_, status) = backend_text(session.call("add", &[&a, &ints]).unwrap_err());
+        assert!(status.contains("element type mismatch"), "{status}");
+
+        // The session still works after the errors.
+        let out = session.call("add", &[&a, &a]).unwrap();
+        assert_eq!(out[0].to_f32_vec().unwrap(), vec![2.0; 4]);
+    }
+}
+
+#[test]
+fn vmfb_for_another_target_is_rejected_with_iree_text() {
+    let cpu = Device::cpu(instance()).unwrap();
+    let vulkan_vmfb = compiler()
+        .compile(ADD, Target::VulkanSpirv, &mut |_| {})
+        .unwrap();
+    let err = Session::new(&cpu, &vulkan_vmfb.vmfb)
+        .and_then(|s| {
+            let a = BufferView::from_f32(&cpu, &[4], &[1.0; 4])?;
+            s.call("add", &[&a, &a]).map(|_| s)
+        })
+        .unwrap_err();
+    let (op, status) = backend_text(err);
+    eprintln!("IREE on a vulkan vmfb on the CPU: {op}: {status}");
+    assert!(!status.is_empty());
+}
+
+/// Resident set size of this process (Linux), for leak checks where allocator statistics are blind.
+fn resident_bytes() -> u64 {
+    let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
+    let pages: u64 = statm
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    pages * 4096
+}
+
+#[test]
+fn thousand_allocate_copy_release_cycles_keep_memory_flat() {
+    // 64 KiB per buffer: a leak of one buffer per cycle would be 64 MiB (or 128 MiB), far above the
+    // resident-size slack below.
+    const SHAPE: [usize; 2] = [64, 256];
+    let data: Vec<f32> = (0..SHAPE[0] * SHAPE[1]).map(|i| i as f32).collect();
+    for (device, target) in devices() {
+        let session = load(&device, target, ADD);
+        let cycle = |i: usize| {
+            let v = BufferView::from_f32(&device, &SHAPE, &data).unwrap();
+            let c = v.device_copy().unwrap();
+            if i % 100 == 0 {
+                let a = BufferView::from_f32(&device, &[4], &[1.0; 4]).unwrap();
+                let out = session.call("add", &[&a, &a]).unwrap();
+                assert_eq!(out[0].to_f32_vec().unwrap(), vec![2.0; 4]);
+                assert_eq!(c.to_f32_vec().unwrap(), data);
+            }
+        };
+        let views_before = device.live_buffer_views();
+        for i in 0..10 {
+            cycle(i); // warm-up: pools and caches reach their steady size
+        }
+        let warm = device.allocator_stats();
+        let rss_warm = resident_bytes();
+        for i in 0..1000 {
+            cycle(i);
+        }
+        let stats = device.allocator_stats();
+        let rss_growth = resident_bytes().saturating_sub(rss_warm);
+        eprintln!(
+            "{}: after 1000 cycles: allocator {stats:?}, resident growth {} KiB",
+            target.name(),
+            rss_growth / 1024
+        );
+        assert_eq!(device.live_buffer_views(), views_before, "{target:?}");
+        assert!(
+            rss_growth < 16 << 20,
+            "{target:?}: resident size grew by {rss_growth} bytes"
+        );
+        let allocated = |s: &kvsnap_iree::runtime::AllocatorStats| {
+            s.host_bytes_allocated + s.device_bytes_allocated
+        };
+        assert!(
+            allocated(&stats) >= allocated(&warm) + 1000 * 2 * 65536,
+            "the allocator statistics must see the allocations: {stats:?}"
+        );
+        if device.kind() == DeviceKind::Cpu {
+            // The CPU heap allocator records every free, so live bytes and the peak must be flat.
+            // (IREE 3.13's Vulkan allocator records pool allocations but not their frees, so its
+            // statistics cannot show a leak: the resident size above covers it.)
+            assert_eq!(stats.live_bytes(), warm.live_bytes(), "{stats:?}");
+            assert_eq!(stats.device_bytes_peak, warm.device_bytes_peak, "{stats:?}");
+        }
+    }
+}
+
+/// Host bytes at `offset` inside an owned allocation, so the test controls alignment.
+struct OffsetBytes {
+    buf: Vec<u8>,
+    offset: usize,
+    len: usize,
+}
+
+impl OffsetBytes {
+    fn new(values: &[f32], misalign: usize) -> Self {
+        let len = values.len() * 4;
+        let mut buf = vec![0u8; len + 2 * HOST_IMPORT_ALIGNMENT];
+        let base = buf.as_ptr() as usize;
+        let offset = (HOST_IMPORT_ALIGNMENT - base % HOST_IMPORT_ALIGNMENT) % HOST_IMPORT_ALIGNMENT
+            + misalign;
+        for (i, v) in values.iter().enumerate() {
+            buf[offset + 4 * i..offset + 4 * i + 4].copy_from_slice(&v.to_le_bytes());
+        }
+        OffsetBytes { buf, offset, len }
+    }
+}
+
+impl AsRef<[u8]> for OffsetBytes {
+    fn as_ref(&self) -> &[u8] {
+        &self.buf[self.offset..self.offset + self.len]
+    }
+}
+
+/// A region of a shared read-only memory map.
+struct MapRegion {
+    map: Arc<memmap2::Mmap>,
+    offset: usize,
+    len: usize,
+}
+
+impl AsRef<[u8]> for MapRegion {
+    fn as_ref(&self) -> &[u8] {
+        &self.map[self.offset..self.offset + self.len]
+    }
+}
+
+#[test]
+fn host_import_is_zero_copy_on_cpu_for_aligned_read_only_memory() {
+    for (device, target) in devices() {
+        let session = load(&device, target, ADD);
+        let a = BufferView::from_f32(&device, &[4], &[1.0, 2.0, 3.0, 4.0]).unwrap();
+
+        // An mmap'd read-only file region at a 64-byte aligned offset (like a padded safetensors
+        // data section): zero-copy on the CPU.
+        let path = std::env::temp_dir().join(format!("kvsnap-import-{}.bin", std::process::id()));
+        let mut file_bytes = vec![0u8; 128];
+        for (i, v) in [10.0f32, 20.0, 30.0, 40.0].iter().enumerate() {
+            file_bytes[64 + 4 * i..68 + 4 * i].copy_from_slice(&v.to_le_bytes());
+        }
+        std::fs::write(&path, &file_bytes).unwrap();
+        let file = std::fs::File::open(&path).unwrap();
+        // SAFETY: the test owns the file and nothing modifies it while mapped.
+        let map = Arc::new(unsafe { memmap2::Mmap::map(&file) }.unwrap());
+        let region = MapRegion {
+            map: map.clone(),
+            offset: 64,
+            len: 16,
+        };
+        let (b, mode) = BufferView::import_host(&device, region, &[4], ElementType::F32).unwrap();
+        eprintln!(
+            "FINDING {}: aligned read-only mmap import: {mode:?}",
+            target.name()
+        );
+        if device.kind() == DeviceKind::Cpu {
+            assert_eq!(mode, ImportMode::ZeroCopy);
+            assert_eq!(Arc::strong_count(&map), 2, "the buffer keeps the map alive");
+        }
+        let out = session.call("add", &[&a, &b]).unwrap();
+        assert_eq!(out[0].to_f32_vec().unwrap(), vec![11.0, 22.0, 33.0, 44.0]);
+        assert_eq!(b.to_f32_vec().unwrap(), vec![10.0, 20.0, 30.0, 40.0]);
+        drop((b, out));
+        assert_eq!(
+            Arc::strong_count(&map),
+            1,
+            "releasing the buffer drops the owner"
+        );
+        drop(map);
+        std::fs::remove_file(&path).unwrap();
+
+        // A whole page-aligned page of a read-only map (Vulkan's host-pointer import wants 4096).
+        let page_values: Vec<f32> = (0..1024).map(|i| i as f32).collect();
+        let page_bytes: Vec<u8> = page_values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        std::fs::write(&path, &page_bytes).unwrap();
+        let file = std::fs::File::open(&path).unwrap();
+        // SAFETY: the test owns the file and nothing modifies it while mapped.
+        let map = Arc::new(unsafe { memmap2::Mmap::map(&file) }.unwrap());
+        let region = MapRegion {
+            map,
+            offset: 0,
+            len: 4096,
+        };
+        let (page, mode) =
+            BufferView::import_host(&device, region, &[1024], ElementType::F32).unwrap();
+        eprintln!(
+            "FINDING {}: page-aligned read-only mmap import: {mode:?}",
+            target.name()
+        );
+        assert_eq!(page.to_f32_vec().unwrap(), page_values);
+        drop(page);
+        std::fs::remove_file(&path).unwrap();
+
+        // Misaligned memory falls back to a copy, and says why.
+        let owner = OffsetBytes::new(&[5.0, 6.0, 7.0, 8.0], 4);
+        let (c, mode) = BufferView::import_host(&device, owner, &[4], ElementType::F32).unwrap();
+        match &mode {
+            ImportMode::Copied { reason } => assert!(reason.contains("aligned"), "{reason}"),
+            ImportMode::ZeroCopy => panic!("misaligned memory cannot be imported"),
+        }
+        let out = session.call("add", &[&a, &c]).unwrap();
+        assert_eq!(out[0].to_f32_vec().unwrap(), vec![6.0, 8.0, 10.0, 12.0]);
+
+        // A size that does not match the shape is a shape error, not a silent truncation.
+        let owner = OffsetBytes::new(&[1.0; 3], 0);
+        match BufferView::import_host(&device, owner, &[4], ElementType::F32) {
+            Err(Error::ShapeMismatch { .. }) => {}
+            other => panic!("expected ShapeMismatch, got {other:?}"),
+        }
+        let stats = device.import_stats();
+        eprintln!("{}: import stats {stats:?}", target.name());
+        assert_eq!(stats.zero_copy + stats.copied, 3);
+    }
+}
+
+#[test]
+fn zeros_and_write_bytes() {
+    for (device, _) in devices() {
+        let z = BufferView::zeros(&device, &[3, 5], ElementType::F32).unwrap();
+        assert_eq!(z.to_f32_vec().unwrap(), vec![0.0; 15]);
+        let v: Vec<f32> = (0..15).map(|i| i as f32).collect();
+        let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+        z.write_bytes(&bytes).unwrap();
+        assert_eq!(z.to_f32_vec().unwrap(), v);
+        assert!(matches!(
+            z.write_bytes(&bytes[..8]),
+            Err(Error::ShapeMismatch { .. })
+        ));
+        assert!(z.to_i32_vec().is_err(), "reading f32 as i32 is refused");
+    }
+}
