@@ -135,3 +135,76 @@ fn closed_if_released(op: &'static str, e: Error) -> Error {
         e => e,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvsnap_contract::Logits;
+    use kvsnap_reference::tiny::{self, Preset, DEFAULT_SEED};
+    use std::path::PathBuf;
+
+    fn tiny_dir() -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("kvsnap-jni-models-{}", std::process::id()));
+        tiny::write_model(&dir, Preset::Tiny, DEFAULT_SEED).expect("tiny model written");
+        dir
+    }
+
+    fn reference(dir: &Path) -> OpenOptions<'_> {
+        OpenOptions {
+            backend: "reference",
+            model_dir: dir,
+            module_dir: None,
+            device: None,
+        }
+    }
+
+    #[test]
+    fn a_closed_model_reports_closed_not_a_stale_handle() {
+        let dir = tiny_dir();
+        let h = insert(open(reference(&dir)).unwrap()).unwrap();
+        let m = get("prefill", h).unwrap();
+        let (kv, _) = m.session.prefill(&[2, 3], Logits::Skip).unwrap();
+        drop(m);
+        close(h).unwrap();
+        for r in [get("prefill", h).map(|_| ()), close(h)] {
+            assert!(
+                matches!(r, Err(BridgeError::Kv(Error::Closed { .. }))),
+                "{r:?}"
+            );
+        }
+        // A handle that never named a model is still a stale handle.
+        assert!(matches!(
+            get("step", kv),
+            Err(BridgeError::Kv(Error::StaleHandle {
+                reason: reason::FOREIGN,
+                ..
+            }))
+        ));
+        std::fs::remove_dir_all(dir).ok();
+    }
+
+    #[test]
+    fn backend_choice_and_its_options_are_checked() {
+        let dir = Path::new("/nonexistent");
+        let err = |opts| open(opts).err().expect("open must fail").to_string();
+        assert!(err(OpenOptions {
+            backend: "cuda",
+            ..reference(dir)
+        })
+        .contains("unknown backend `cuda` (known: reference, iree-cpu, iree-vulkan)"));
+        assert!(err(OpenOptions {
+            backend: "iree-vulkan",
+            ..reference(dir)
+        })
+        .contains("iree-vulkan does not support open"));
+        assert!(err(OpenOptions {
+            module_dir: Some(Path::new("/m")),
+            ..reference(dir)
+        })
+        .contains("takes no module dir"));
+        assert!(matches!(
+            open(reference(dir)),
+            Err(BridgeError::Kv(Error::Io { .. }))
+        ));
+    }
+}

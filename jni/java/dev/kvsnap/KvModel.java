@@ -27,11 +27,17 @@ public final class KvModel implements AutoCloseable {
 
     private KvModel(long handle) {
         this.handle = handle;
-        this.backend = Native.backend(handle);
-        int[] config = Native.config(handle);
-        this.vocabSize = config[0];
-        this.hiddenSize = config[1];
-        this.contextCapacity = config[2];
+        try {
+            this.backend = Native.backend(handle);
+            int[] config = Native.config(handle);
+            this.vocabSize = config[0];
+            this.hiddenSize = config[1];
+            this.contextCapacity = config[2];
+        } catch (RuntimeException e) {
+            // Nobody else holds the handle yet: free the model rather than leak it.
+            Native.close(handle);
+            throw e;
+        }
     }
 
     /**
