@@ -7,6 +7,7 @@
 
 pub mod check;
 pub mod golden;
+pub mod props;
 
 pub use check::{
     log_sum_exp, CaseReport, Checker, Failure, FailureKind, Observer, ParityReport, Progress,
