@@ -12,14 +12,15 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${KVSNAP_VENV:-$ROOT/.venv}"
 IREE_COMPILER_VERSION="3.13.0"
 CMAKE_VERSION="3.31.10"
-APT_PACKAGES=(libclang-dev gcc g++ make mesa-vulkan-drivers libvulkan1 python3-venv)
+APT_PACKAGES=(libclang-dev gcc g++ make mesa-vulkan-drivers libvulkan1 python3 python3-venv)
 
 SUDO=""
 if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
 
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
-    if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+    status="$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null || true)"
+    if [ "$status" != "install ok installed" ]; then
         missing+=("$p")
     fi
 done
@@ -36,8 +37,11 @@ if [ ! -x "$VENV/bin/python" ]; then
     python3 -m venv "$VENV"
 fi
 
-pip_has() { # name version
-    "$VENV/bin/python" -m pip show "$1" 2>/dev/null | grep -qx "Version: $2"
+pip_has() { # name version (output captured first: with pipefail, grep -q closing the pipe early
+    # would make pip's SIGPIPE fail the check)
+    local info
+    info="$("$VENV/bin/python" -m pip show "$1" 2>/dev/null || true)"
+    grep -qx "Version: $2" <<<"$info"
 }
 want=()
 pip_has iree-base-compiler "$IREE_COMPILER_VERSION" || want+=("iree-base-compiler==$IREE_COMPILER_VERSION")
@@ -49,5 +53,7 @@ else
     echo "setup-iree: pip packages present"
 fi
 
-"$VENV/bin/iree-compile" --version | head -n 3
-"$VENV/bin/cmake" --version | head -n 1
+compiler_version="$("$VENV/bin/iree-compile" --version)"
+cmake_version="$("$VENV/bin/cmake" --version)"
+echo "setup-iree: ${compiler_version//$'\n'/ }"
+echo "setup-iree: ${cmake_version%%$'\n'*}"
