@@ -2,13 +2,16 @@
 # The JNI bridge's Java test: builds the cdylib and the `expected` example (the Rust API's
 # tokens), compiles the Java API and its test with javac, and runs the test against the built
 # library on the tiny model and, when present, the real one (required when
-# KVSNAP_REQUIRE_MODEL=1). Closes with `jni: N passed, N failed`; exits non-zero on a failure.
+# KVSNAP_REQUIRE_MODEL=1), on each backend of KVSNAP_JNI_BACKENDS (default `reference`; the
+# tokens of every backend are compared with the Rust reference's). Closes with
+# `jni: N passed, N failed`; exits non-zero on a failure.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 TARGET="${CARGO_TARGET_DIR:-$ROOT/target}"
 WORK="$TARGET/jni-test"
 REAL="${KVSNAP_MODEL_DIR:-$ROOT/models/gemma-3-270m}"
+read -r -a BACKENDS <<<"${KVSNAP_JNI_BACKENDS:-reference}"
 
 echo "== jni: build the library and the expected-tokens example"
 cargo build --release -p kvsnap-jni --lib --example expected
@@ -25,10 +28,16 @@ echo "== jni: expected tokens from the Rust API"
 # flow arguments: prefix length, turns, utterance length, steps per turn, seed.
 "$EXPECTED" tiny "$WORK/tiny"
 "$EXPECTED" flow "$WORK/tiny" 40 3 6 5 7 >"$WORK/tiny.expected"
-MODELS=(--model tiny "$WORK/tiny" "$WORK/tiny.expected")
+# The first model is where the thread and error checks run: the tiny one on the first backend.
+MODELS=()
+for b in "${BACKENDS[@]}"; do
+    MODELS+=(--model tiny "$b" "$WORK/tiny" "$WORK/tiny.expected")
+done
 if [[ -f "$REAL/config.json" && -f "$REAL/model.safetensors" ]]; then
     "$EXPECTED" flow "$REAL" 96 2 12 6 11 >"$WORK/real.expected"
-    MODELS+=(--model gemma-3-270m "$REAL" "$WORK/real.expected")
+    for b in "${BACKENDS[@]}"; do
+        MODELS+=(--model gemma-3-270m "$b" "$REAL" "$WORK/real.expected")
+    done
 elif [[ "${KVSNAP_REQUIRE_MODEL:-0}" == 1 ]]; then
     echo "test-jni.sh: KVSNAP_REQUIRE_MODEL=1 but there is no model at $REAL (run scripts/setup.sh)" >&2
     exit 1

@@ -23,16 +23,23 @@ import java.util.stream.Stream;
  *
  * <pre>
  * java -Dkvsnap.library.path=LIB -cp CLASSES dev.kvsnap.JniTest \
- *     --model NAME DIR EXPECTED [--model NAME DIR EXPECTED ...] [--skip NAME REASON]
+ *     --model NAME BACKEND DIR EXPECTED [--model ...] [--skip NAME REASON]
  * </pre>
  *
- * The first model is the tiny one: the error and thread tests run on it. Prints one line per
+ * The first model is the tiny one: the error and thread tests run on it (open with default
+ * module dir and device). Prints one line per
  * check and closes with {@code jni: N passed, N failed[, N skipped]}; exits 1 on any failure.
  */
 public final class JniTest {
     private int passed;
     private int failed;
     private int skipped;
+    /** The backend the current model runs on. */
+    private String backend = "reference";
+
+    private KvModel open(String dir) {
+        return KvModel.open(backend, dir, null, null);
+    }
 
     /** The catalog flow the Rust API ran, read from an expected file. */
     static final class Expected {
@@ -152,8 +159,8 @@ public final class JniTest {
     void flowChecks(String name, String dir, Expected e) {
         KvModel[] opened = new KvModel[1];
         check(name + ": open", () -> {
-            opened[0] = KvModel.openReference(dir);
-            assertEq("reference", opened[0].backend(), "backend");
+            opened[0] = open(dir);
+            assertEq(backend, opened[0].backend(), "backend");
             assertEq(e.vocab, opened[0].vocabSize(), "vocab size");
         });
         KvModel m = opened[0];
@@ -186,7 +193,7 @@ public final class JniTest {
 
     /** 4 threads on distinct handles give the serial tokens; 4 threads on one handle serialise. */
     void threadChecks(String dir, Expected e) throws Exception {
-        try (KvModel m = KvModel.openReference(dir); KvState catalog = m.prefill(e.prefix)) {
+        try (KvModel m = open(dir); KvState catalog = m.prefill(e.prefix)) {
             check("threads: 4 Java threads on distinct handles give the serial tokens", () -> {
                 ExecutorService pool = Executors.newFixedThreadPool(4);
                 try {
@@ -251,7 +258,7 @@ public final class JniTest {
     /** Every documented error: exception type and message. */
     void errorChecks(String dir, Expected e) throws Exception {
         int vocab = e.vocab;
-        try (KvModel m = KvModel.openReference(dir); KvState s = m.prefill(e.prefix)) {
+        try (KvModel m = open(dir); KvState s = m.prefill(e.prefix)) {
             int cap = m.contextCapacity();
             check("bad input: empty prefill -> IllegalArgumentException", () ->
                     assertThrows(IllegalArgumentException.class, () -> m.prefill(new int[0]),
@@ -327,7 +334,7 @@ public final class JniTest {
                         "prefill: stale handle 0xffffffffffffffff");
             });
             check("handles: another model's state, or a model handle as a state -> IllegalStateException", () -> {
-                try (KvModel other = KvModel.openReference(dir); KvState foreign = other.prefill(new int[] {2, 3})) {
+                try (KvModel other = open(dir); KvState foreign = other.prefill(new int[] {2, 3})) {
                     assertThrows(IllegalStateException.class, () -> Native.step(m.handle(), foreign.handle(), 1),
                             "step: stale handle", "(issued by another model)");
                     assertThrows(IllegalStateException.class, () -> Native.len(m.handle(), m.handle()),
@@ -338,7 +345,7 @@ public final class JniTest {
             });
         }
         check("closed model: every call -> IllegalStateException; close is idempotent", () -> {
-            KvModel m = KvModel.openReference(dir);
+            KvModel m = open(dir);
             KvState s = m.prefill(new int[] {2, 3, 4});
             KvState t = s.snapshot();
             m.close();
@@ -392,10 +399,19 @@ public final class JniTest {
         check("open: unknown backend -> IllegalArgumentException listing the known ones", () ->
                 assertThrows(IllegalArgumentException.class, () -> KvModel.open("cuda", dir, null, null),
                         "open: unknown backend `cuda`", "reference, iree-cpu, iree-vulkan"));
-        check("open: a backend not built in -> UnsupportedOperationException", () ->
-                assertThrows(UnsupportedOperationException.class,
-                        () -> KvModel.open("iree-cpu", dir, "/nonexistent/module", "local-task"),
-                        "iree-cpu does not support open"));
+        check("open: IREE backends -> UnsupportedOperationException until built in, then load errors", () -> {
+            String missing = scratch.resolve("no-such-model").toString();
+            for (String b : new String[] {"iree-cpu", "iree-vulkan"}) {
+                try {
+                    KvModel.open(b, missing, null, null).close();
+                    throw new AssertionError(b + ": opening a missing model dir succeeded");
+                } catch (UnsupportedOperationException e) {
+                    assertEq(true, e.getMessage().contains(b + " does not support open"), "message `" + e.getMessage() + "`");
+                } catch (KvsnapException e) {
+                    assertEq(true, e.getMessage().contains(missing), "message `" + e.getMessage() + "` names the dir");
+                }
+            }
+        });
         check("open: options the reference does not take -> IllegalArgumentException", () -> {
             assertThrows(IllegalArgumentException.class, () -> KvModel.open("reference", dir, "/some/module", null),
                     "the reference backend takes no module dir");
@@ -412,14 +428,14 @@ public final class JniTest {
         JniTest t = new JniTest();
         List<String[]> models = new ArrayList<>();
         for (int i = 0; i < args.length; ) {
-            if (args[i].equals("--model") && i + 3 < args.length) {
-                models.add(new String[] {args[i + 1], args[i + 2], args[i + 3]});
-                i += 4;
+            if (args[i].equals("--model") && i + 4 < args.length) {
+                models.add(new String[] {args[i + 1], args[i + 2], args[i + 3], args[i + 4]});
+                i += 5;
             } else if (args[i].equals("--skip") && i + 2 < args.length) {
                 t.skip(args[i + 1], args[i + 2]);
                 i += 3;
             } else {
-                System.err.println("usage: JniTest --model NAME DIR EXPECTED ... [--skip NAME REASON]");
+                System.err.println("usage: JniTest --model NAME BACKEND DIR EXPECTED ... [--skip NAME REASON]");
                 System.exit(2);
             }
         }
@@ -429,12 +445,15 @@ public final class JniTest {
         }
         for (int i = 0; i < models.size(); i++) {
             String[] spec = models.get(i);
-            Expected e = Expected.read(Paths.get(spec[2]));
-            t.flowChecks(spec[0], spec[1], e);
+            String name = spec[0] + " (" + spec[1] + ")";
+            t.backend = spec[1];
+            String dir = spec[2];
+            Expected e = Expected.read(Paths.get(spec[3]));
+            t.flowChecks(name, dir, e);
             if (i == 0) {
                 // A failure outside a check (opening the model for a group) fails the group.
-                t.check("thread checks ran", () -> t.threadChecks(spec[1], e));
-                t.check("error checks ran", () -> t.errorChecks(spec[1], e));
+                t.check("thread checks ran", () -> t.threadChecks(dir, e));
+                t.check("error checks ran", () -> t.errorChecks(dir, e));
             }
         }
         String closing = "jni: " + t.passed + " passed, " + t.failed + " failed";
