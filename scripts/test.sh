@@ -22,4 +22,6 @@ TINY="$ROOT/target/kvsnap-tiny"
 
 echo "== parity: real model, visible oracle goldens"
 "$KVSNAP" parity --model models/gemma-3-270m --goldens goldens/gemma-3-270m.visible.json --backend reference
+echo "== JNI: the Java API and test against the built cdylib"
+bash scripts/test-jni.sh
 echo "test.sh: all passed"
