@@ -539,3 +539,30 @@ fn zeros_and_write_bytes() {
         assert!(z.to_i32_vec().is_err(), "reading f32 as i32 is refused");
     }
 }
+
+#[test]
+fn thread_safety_contract() {
+    fn send_sync<T: Send + Sync>() {}
+    fn send<T: Send>() {}
+    send_sync::<Instance>();
+    send_sync::<Device>();
+    send_sync::<BufferView>();
+    send::<Session>();
+
+    // A session shared behind a Mutex serves calls from several threads; buffer views move freely.
+    let device = Device::cpu(instance()).unwrap();
+    let session = std::sync::Mutex::new(load(&device, Target::LlvmCpu, ADD));
+    std::thread::scope(|s| {
+        for t in 0..2 {
+            let (session, device) = (&session, &device);
+            s.spawn(move || {
+                for i in 0..20 {
+                    let x = (t * 100 + i) as f32;
+                    let a = BufferView::from_f32(device, &[4], &[x; 4]).unwrap();
+                    let out = session.lock().unwrap().call("add", &[&a, &a]).unwrap();
+                    assert_eq!(out[0].to_f32_vec().unwrap(), vec![2.0 * x; 4]);
+                }
+            });
+        }
+    });
+}
