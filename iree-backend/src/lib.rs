@@ -1,6 +1,11 @@
-//! IREE backend of kvsnap. Not implemented yet: see the IREE backend issue.
+//! IREE backend of kvsnap: [`IreeModel`] runs the Gemma 3 graphs that [`graphs`] emits (through
+//! the StableHLO builder of [`emit`]), compiled by [`compile`] and executed on the [`runtime`]
+//! layer over eerie-sys, with the KV state in device buffers updated in place.
 
 pub mod compile;
 pub mod emit;
 pub mod graphs;
+pub mod model;
 pub mod runtime;
+
+pub use model::{IreeKv, IreeModel, IreeOptions, LoadReport};

@@ -401,7 +401,7 @@ fn graphs_build_for_tiny_and_real_configs_with_the_head_sliced() {
                 let e = g.manifest.entry(&name).expect("entry point in manifest");
                 assert!(g.mlir.contains(&format!("func.func @{name}(")));
                 assert_eq!(e.weights().count(), 2 + 13 * cfg.num_layers());
-                assert_eq!(e.kv().count(), 2 * cfg.num_layers());
+                assert_eq!(e.kv().count(), 2 * cfg.num_layers() + 1);
                 assert_eq!(e.results[0].role, Role::Next);
                 assert_eq!(e.results[1].dims, [vocab]);
                 assert_eq!(e.args[1].role, Role::Pos0);
@@ -436,12 +436,20 @@ fn manifest_lists_weights_by_hf_name_in_call_order() {
     // Sliding layer 0 has a ring of the window; global layer 2 the full capacity.
     let kv: Vec<_> = e.kv().collect();
     assert_eq!(kv[0].name, "layers.0.k");
+    // Largest chunk 1: rows are written at pos0 % (window + 1), with one row of slack.
+    let ring = g.manifest.ring;
+    assert_eq!(
+        (ring.modulus, ring.rows),
+        (cfg.sliding_window + 1, cfg.sliding_window + 2)
+    );
     assert_eq!(
         kv[0].dims,
-        [cfg.sliding_window, cfg.num_key_value_heads, cfg.head_dim]
+        [ring.rows, cfg.num_key_value_heads, cfg.head_dim]
     );
     assert_eq!(kv[5].name, "layers.2.v");
     assert_eq!(kv[5].dims[0], cfg.context_capacity);
+    assert_eq!(kv[12].name, graphs::SLIDING_POSITIONS);
+    assert_eq!(kv[12].dims, [ring.rows]);
     // The function signature lists the arguments in manifest order.
     let sig = g
         .mlir

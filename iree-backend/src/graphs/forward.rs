@@ -7,6 +7,7 @@
 
 use kvsnap_contract::{LayerKind, ModelConfig};
 
+use super::manifest::RingGeometry;
 use crate::emit::{Cmp, DotDims, ElemType, FuncBuilder, Reduction, Value};
 
 /// Mask value of invisible attention scores: finite, so that a padding row that sees no key gets
@@ -70,7 +71,10 @@ pub(super) struct Chunk {
     pub valid: Value, // [] i32
     rope_local: RopeTables,
     rope_global: RopeTables,
-    /// Visibility of `[ring slots ++ chunk rows]` to each query: `[C, window + C]` i1.
+    /// Row at which the chunk is written into the sliding layers' buffers: `pos0 % modulus`.
+    ring_start: Value,
+    /// Visibility of the sliding layers' rows (after the chunk's write) to each query:
+    /// `[C, ring rows]` i1.
     sliding_mask: Value,
     /// Visibility of the full buffer's rows to each query: `[C, capacity]` i1.
     global_mask: Value,
@@ -155,9 +159,19 @@ impl<'a> Forward<'a> {
     // ---- per-chunk values -------------------------------------------------------------------
 
     /// Positions, masks and RoPE tables of a chunk of `c` rows at `pos0` with `valid` real rows.
-    pub fn chunk(&mut self, c: usize, pos0: Value, valid: Value) -> Chunk {
+    ///
+    /// `positions` (`[ring.rows]` i32, `p + 1` per row, 0 when empty) is the table of the
+    /// positions the sliding layers' rows hold; the chunk's entries are written first (in
+    /// place) and the updated table is returned with the chunk.
+    pub fn chunk(
+        &mut self,
+        c: usize,
+        pos0: Value,
+        valid: Value,
+        positions: &Value,
+        ring: RingGeometry,
+    ) -> (Chunk, Value) {
         let cfg = self.cfg;
-        let w = cfg.sliding_window;
         let n = cfg.context_capacity;
 
         // Query positions qp[i] = pos0 + i.
@@ -168,20 +182,19 @@ impl<'a> Forward<'a> {
         let valid_c = self.splat(&valid, &[c]);
         let row_valid = self.b.compare(Cmp::Lt, &iota_c, &valid_c);
 
-        // Ring slot s holds position pos0 - 1 - ((pos0 - 1 - s) mod W) before the chunk (if
-        // >= 0). `pos0 - 1 - s + W >= 0`, so the truncated remainder is the positive modulo.
-        let slots = self.b.iota(&[w], 0);
-        let pos0_w = self.splat(&pos0, &[w]);
-        let w_minus_1 = self.i32(w as i32 - 1, &[w]);
-        let a = self.b.add(&pos0_w, &w_minus_1);
-        let a = self.b.sub(&a, &slots);
-        let w_w = self.i32(w as i32, &[w]);
-        let m = self.b.remainder(&a, &w_w);
-        let one_w = self.i32(1, &[w]);
-        let last = self.b.sub(&pos0_w, &one_w);
-        let ring_pos = self.b.sub(&last, &m); // [W]
-        let keys = self.b.concatenate(&[&ring_pos, &qpos], 0); // [W + C]
-        let sliding_mask = self.visibility(&qpos, &keys, &end, Some(w));
+        // Sliding rows: write p + 1 (0 for padding) at pos0 % modulus, then read positions.
+        let modulus = self.i32(ring.modulus as i32, &[]);
+        let ring_start = self.b.remainder(&pos0, &modulus);
+        let one = self.i32(1, &[c]);
+        let stored = self.b.add(&qpos, &one);
+        let empty = self.i32(0, &[c]);
+        let stored = self.b.select(&row_valid, &stored, &empty);
+        let positions = self
+            .b
+            .dynamic_update_slice(positions, &stored, &[&ring_start]);
+        let one = self.i32(1, &[ring.rows]);
+        let ring_pos = self.b.sub(&positions, &one);
+        let sliding_mask = self.visibility(&qpos, &ring_pos, &end, Some(cfg.sliding_window));
 
         let rows = self.b.iota(&[n], 0);
         let global_mask = self.visibility(&qpos, &rows, &end, None);
@@ -189,16 +202,18 @@ impl<'a> Forward<'a> {
         let rope_local = self.rope_tables(&qpos, cfg.rope_theta_local, 1.0);
         let rope_global =
             self.rope_tables(&qpos, cfg.rope_theta_global, cfg.rope_linear_factor_global);
-        Chunk {
+        let chunk = Chunk {
             c,
             pos0,
             valid,
             rope_local,
             rope_global,
+            ring_start,
             sliding_mask,
             global_mask,
             row_valid,
-        }
+        };
+        (chunk, positions)
     }
 
     /// `[C, K]` i1: query at `qpos[i]` sees key at `kpos[j]` iff `0 <= kp <= qp`, `kp < end`
@@ -379,10 +394,11 @@ impl<'a> Forward<'a> {
         let k = self.zero_padding(&k, ch);
         let v = self.zero_padding(&v, ch);
 
-        let (o, k_buf, v_buf) = match kind {
-            LayerKind::Sliding => self.sliding_attention(ch, &q, &k, &v, k_buf, v_buf),
-            LayerKind::Global => self.global_attention(ch, &q, &k, &v, k_buf, v_buf),
+        let (start, mask) = match kind {
+            LayerKind::Sliding => (&ch.ring_start, &ch.sliding_mask),
+            LayerKind::Global => (&ch.pos0, &ch.global_mask),
         };
+        let (o, k_buf, v_buf) = self.buffer_attention(&q, &k, &v, k_buf, v_buf, start, mask);
         // [kvh, g, C, hd] -> [kvh, g, hd, C] -> [heads * hd, C]
         let o = self.b.transpose(&o, &[0, 1, 3, 2]);
         let o = self.b.reshape(&o, &[kvh * g * hd, c]);
@@ -435,135 +451,40 @@ impl<'a> Forward<'a> {
         self.b.mul(&t, &capv)
     }
 
-    /// Sliding layer: attend over `[ring ++ chunk]` BEFORE the chunk is written (the ring still
-    /// holds the positions the chunk's first queries need), then write the chunk into the ring.
+    /// Writes the chunk's K/V rows at row `start` of the layer's buffers, then attends over
+    /// every row of the buffers with `mask` (`[C, rows]`).
+    ///
+    /// Writing first lets IREE update the buffers in place (a read of an argument before its
+    /// `dynamic_update_slice` makes the update copy the whole buffer). Global layers write at
+    /// `pos0` (padding rows land past the valid end, masked until overwritten); sliding layers
+    /// at `pos0 % modulus`, where the rows they overwrite are never visible again (see
+    /// [`RingGeometry::new`]).
     ///
     /// # Shapes
-    /// `q`: `[kvh, g, hd, C]`; `k`, `v`: `[kvh, hd, C]`; rings `[W, kvh, hd]`; returns the
-    /// attention output `[kvh, g, C, hd]` and the rings.
-    fn sliding_attention(
+    /// `q`: `[kvh, g, hd, C]`; `k`, `v`: `[kvh, hd, C]`; buffers `[rows, kvh, hd]`; returns the
+    /// attention output `[kvh, g, C, hd]` and the buffers.
+    #[allow(clippy::too_many_arguments)]
+    fn buffer_attention(
         &mut self,
-        ch: &Chunk,
-        q: &Value,
-        k: &Value,
-        v: &Value,
-        k_ring: &Value,
-        v_ring: &Value,
-    ) -> (Value, Value, Value) {
-        let (w, c) = (self.cfg.sliding_window, ch.c);
-        let s_ring = self.scores_rows(q, k_ring); // [kvh, g, C, W]
-        let s_chunk = self.b.dot_general(q, k, &DotDims::batched(0, 0, 2, 1)); // [kvh, g, C, C]
-        let s = self.b.concatenate(&[&s_ring, &s_chunk], 3);
-        let p = self.softmax_scores(&s, &ch.sliding_mask);
-        let pd = p.dims().to_vec();
-        let p_ring = self.b.slice(&p, &[0, 0, 0, 0], &[pd[0], pd[1], pd[2], w]);
-        let p_chunk = self.b.slice(&p, &[0, 0, 0, w], &pd);
-        let o_ring = self
-            .b
-            .dot_general(&p_ring, v_ring, &DotDims::batched(0, 1, 3, 0));
-        let o_chunk = self
-            .b
-            .dot_general(&p_chunk, v, &DotDims::batched(0, 0, 3, 2));
-        let o = self.b.add(&o_ring, &o_chunk); // [kvh, g, C, hd]
-
-        let k_ring = self.ring_write(ch, k_ring, k, w, c);
-        let v_ring = self.ring_write(ch, v_ring, v, w, c);
-        (o, k_ring, v_ring)
-    }
-
-    /// Writes the chunk's valid rows into slots `(pos0 + i) % W` of `ring`, in place.
-    ///
-    /// The chunk touches at most two contiguous runs of slots (it wraps at most once when
-    /// `C <= W`), so two `dynamic_update_slice`s of `B = min(C, W)` rows cover them: one at
-    /// `min(pos0 % W, W - B)` and one at slot 0. Each block row carries the value its slot
-    /// must hold after the chunk: the row of the LAST valid chunk row with that slot,
-    /// `j = (valid - 1) - ((valid - 1 - (s - pos0)) mod W)`, or the slot's current value when
-    /// no valid row maps there (`j < 0`). Both blocks therefore agree where they overlap, and
-    /// padding rows never overwrite a live position.
-    ///
-    /// IREE still copies the ring once per call here (any read of an argument before its
-    /// `dynamic_update_slice` makes the update copy-on-write; attention must read the ring
-    /// before the chunk overwrites it), so the ring results are new buffers; the full buffers
-    /// of global layers, written before they are read, are updated in place.
-    fn ring_write(&mut self, ch: &Chunk, ring: &Value, rows: &Value, w: usize, c: usize) -> Value {
-        let rows = self.b.transpose(rows, &[2, 0, 1]); // [C, kvh, hd]
-        let block = c.min(w);
-        let wv = self.i32(w as i32, &[]);
-        let start = self.b.remainder(&ch.pos0, &wv);
-        let hi = self.i32((w - block) as i32, &[]);
-        let a = self.b.min(&start, &hi);
-        let zero = self.i32(0, &[]);
-        let mut ring = self.ring_block(ch, ring, &rows, &a, block);
-        if block < w {
-            ring = self.ring_block(ch, &ring, &rows, &zero, block);
-        }
-        ring
-    }
-
-    /// Writes slots `at..at + block` of `ring` with their after-chunk values (see
-    /// [`Forward::ring_write`]).
-    fn ring_block(
-        &mut self,
-        ch: &Chunk,
-        ring: &Value,
-        rows: &Value,
-        at: &Value,
-        block: usize,
-    ) -> Value {
-        let (w, c) = (ring.dims()[0], rows.dims()[0]);
-        let iota = self.b.iota(&[block], 0);
-        let at_b = self.splat(at, &[block]);
-        let slot = self.b.add(&at_b, &iota);
-        // d = (valid - 1) - (slot - pos0 % W) >= -W - C + 2, lifted by a multiple of W to
-        // non-negative before the truncated remainder.
-        let wv = self.i32(w as i32, &[]);
-        let p = self.b.remainder(&ch.pos0, &wv);
-        let p = self.splat(&p, &[block]);
-        let one = self.i32(1, &[]);
-        let last = self.b.sub(&ch.valid, &one);
-        let last = self.splat(&last, &[block]);
-        let d = self.b.sub(&last, &slot);
-        let d = self.b.add(&d, &p);
-        let lift = self.i32((w * (1 + c.div_ceil(w))) as i32, &[block]);
-        let d = self.b.add(&d, &lift);
-        let wb = self.i32(w as i32, &[block]);
-        let m = self.b.remainder(&d, &wb);
-        let j = self.b.sub(&last, &m);
-        let zeros = self.i32(0, &[block]);
-        let has_src = self.b.compare(Cmp::Ge, &j, &zeros);
-        let j = self.b.max(&j, &zeros);
-        let j = self.b.reshape(&j, &[block, 1]);
-        let fresh = self.b.gather_rows(rows, &j);
-        let zero = self.i32(0, &[]);
-        let dims = fresh.dims().to_vec();
-        let old = self.b.dynamic_slice(ring, &[at, &zero, &zero], &dims);
-        let has_src = self.b.broadcast_in_dim(&has_src, &dims, &[0]);
-        let upd = self.b.select(&has_src, &fresh, &old);
-        self.b.dynamic_update_slice(ring, &upd, &[at, &zero, &zero])
-    }
-
-    /// Global layer: write the chunk's rows at `pos0` (padding rows land past the valid end and
-    /// are masked until overwritten), then attend over the whole buffer.
-    fn global_attention(
-        &mut self,
-        ch: &Chunk,
         q: &Value,
         k: &Value,
         v: &Value,
         k_buf: &Value,
         v_buf: &Value,
+        start: &Value,
+        mask: &Value,
     ) -> (Value, Value, Value) {
         let zero = self.i32(0, &[]);
         let kr = self.b.transpose(k, &[2, 0, 1]); // [C, kvh, hd]
         let vr = self.b.transpose(v, &[2, 0, 1]);
         let k_buf = self
             .b
-            .dynamic_update_slice(k_buf, &kr, &[&ch.pos0, &zero, &zero]);
+            .dynamic_update_slice(k_buf, &kr, &[start, &zero, &zero]);
         let v_buf = self
             .b
-            .dynamic_update_slice(v_buf, &vr, &[&ch.pos0, &zero, &zero]);
-        let s = self.scores_rows(q, &k_buf); // [kvh, g, C, N]
-        let p = self.softmax_scores(&s, &ch.global_mask);
+            .dynamic_update_slice(v_buf, &vr, &[start, &zero, &zero]);
+        let s = self.scores_rows(q, &k_buf); // [kvh, g, C, rows]
+        let p = self.softmax_scores(&s, mask);
         let o = self
             .b
             .dot_general(&p, &v_buf, &DotDims::batched(0, 1, 3, 0));

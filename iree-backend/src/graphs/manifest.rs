@@ -31,7 +31,8 @@ pub enum Role {
     Valid,
     /// A model weight, in the HF layout of `model.safetensors`; `name` is its HF tensor name.
     Weight,
-    /// A KV buffer (input: the state before the chunk; result: after it, same buffer).
+    /// A KV buffer (input: the state before the chunk; result: after it, updated in place):
+    /// the K and V of each layer, then the `sliding.positions` table (i32).
     Kv,
     /// `next: [] i32` greedy argmax of the last valid row's logits.
     Next,
@@ -50,11 +51,40 @@ pub struct TensorSpec {
     pub dtype: DType,
 }
 
+/// The rows of the sliding layers' KV buffers for a module whose largest chunk is
+/// `max_chunk`: chunk row `i` at `pos0` is written to row `pos0 % modulus + i`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RingGeometry {
+    /// `window + max_chunk`: a chunk at `pos0` is written at rows
+    /// `pos0 % modulus .. pos0 % modulus + C`.
+    pub modulus: usize,
+    /// `modulus + max_chunk`: the rows of each sliding-layer K/V buffer, so that a chunk's
+    /// write never wraps (one in-place `dynamic_update_slice`).
+    pub rows: usize,
+}
+
+impl RingGeometry {
+    /// The geometry for `window` and the module's largest chunk.
+    ///
+    /// Writing the chunk BEFORE attending (which lets IREE update the buffer in place) is safe
+    /// because `modulus >= window + C - 1`: a row the chunk overwrites held a position at most
+    /// `pos0 + i - modulus`, older than any key a query of this or a later chunk can see.
+    pub fn new(window: usize, max_chunk: usize) -> Self {
+        let modulus = window + max_chunk;
+        RingGeometry {
+            modulus,
+            rows: modulus + max_chunk,
+        }
+    }
+}
+
 /// How one layer's KV buffer is laid out.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum KvLayout {
-    /// `[window, kv_heads, head_dim]`: position `p` lives in slot `p % window`.
+    /// `[ring.rows, kv_heads, head_dim]`: chunk row `i` at `pos0` goes to row
+    /// `pos0 % ring.modulus + i`; which position a row holds is kept in the shared
+    /// `sliding.positions` buffer (`p + 1`, 0 for an empty row).
     Ring,
     /// `[capacity, kv_heads, head_dim]`: position `p` lives in row `p`.
     Full,
@@ -83,6 +113,8 @@ pub struct Manifest {
     pub chunks: Vec<usize>,
     /// KV layout of each layer, in layer order.
     pub kv_layouts: Vec<KvLayout>,
+    /// Rows of the sliding layers' buffers.
+    pub ring: RingGeometry,
     /// A chunk at `pos0` must satisfy `pos0 + C <= capacity` (full-layer buffers have
     /// `capacity` rows, and a dynamic update slice would clamp a write past the end).
     pub capacity: usize,
@@ -165,12 +197,16 @@ fn weight(name: &str, dims: &[usize]) -> TensorSpec {
     }
 }
 
-/// The KV buffers, K then V per layer, in layer order.
-pub fn kv_specs(cfg: &ModelConfig) -> Vec<TensorSpec> {
+/// Name of the table of positions held by the sliding layers' rows.
+pub const SLIDING_POSITIONS: &str = "sliding.positions";
+
+/// The KV buffers: K then V per layer in layer order, then the `sliding.positions` table
+/// `[ring.rows] i32` the sliding layers share.
+pub fn kv_specs(cfg: &ModelConfig, ring: RingGeometry) -> Vec<TensorSpec> {
     let mut out = Vec::new();
     for (layer, kind) in cfg.layer_kinds.iter().enumerate() {
         let rows = match kind {
-            LayerKind::Sliding => cfg.sliding_window,
+            LayerKind::Sliding => ring.rows,
             LayerKind::Global => cfg.context_capacity,
         };
         for kv in ["k", "v"] {
@@ -182,6 +218,12 @@ pub fn kv_specs(cfg: &ModelConfig) -> Vec<TensorSpec> {
             });
         }
     }
+    out.push(TensorSpec {
+        name: SLIDING_POSITIONS.to_string(),
+        role: Role::Kv,
+        dims: vec![ring.rows],
+        dtype: DType::I32,
+    });
     out
 }
 

@@ -17,11 +17,14 @@
 //!   f32), as it does the gathered rows of `ids`.
 //! - Weights in [`weight_specs`] order: `model.embed_tokens.weight`, 13 per layer
 //!   ([`LAYER_WEIGHTS`]), `model.norm.weight`.
-//! - KV in [`kv_specs`] order (K then V per layer): sliding layers a ring
-//!   `[window, kv_heads, head_dim]` (position `p` in slot `p % window`), global layers
-//!   `[capacity, kv_heads, head_dim]` (position `p` in row `p`). The chunk's rows are written in
-//!   place (scatter into the ring, dynamic_update_slice into the full buffer): the results are
-//!   the same buffers, updated, so an input KV buffer must not be kept as a snapshot.
+//! - KV in [`kv_specs`] order (K then V per layer, then the `sliding.positions` table): global
+//!   layers `[capacity, kv_heads, head_dim]` (position `p` in row `p`); sliding layers
+//!   `[ring.rows, kv_heads, head_dim]` with the chunk written at row `pos0 % ring.modulus`
+//!   ([`RingGeometry`]) and the held positions in `sliding.positions` (`[ring.rows]` i32,
+//!   `p + 1`, 0 for an empty row; zero-initialised like every KV buffer). Every KV buffer is
+//!   written by one `dynamic_update_slice` BEFORE anything reads it, so IREE updates it in
+//!   place: the results are the argument buffers, updated, and an input KV buffer must never be
+//!   kept as a snapshot (copy it).
 //! - `next` is the argmax of the last valid row's logits (lowest index wins ties), computed on
 //!   the device in two stages; `logits` are that row's only. No `C x vocab` tensor exists.
 //!
@@ -35,8 +38,8 @@ use kvsnap_contract::ModelConfig;
 use crate::emit::{FuncBuilder, Module, TensorType, Value};
 use forward::{Forward, LayerWeights};
 pub use manifest::{
-    kv_layouts, kv_specs, weight_specs, DType, EntryPoint, KvLayout, Manifest, Role, TensorSpec,
-    LAYER_WEIGHTS, MANIFEST_FORMAT, MANIFEST_VERSION,
+    kv_layouts, kv_specs, weight_specs, DType, EntryPoint, KvLayout, Manifest, RingGeometry, Role,
+    TensorSpec, LAYER_WEIGHTS, MANIFEST_FORMAT, MANIFEST_VERSION, SLIDING_POSITIONS,
 };
 
 /// Chunk sizes compiled by default: the decode step, and two prefill chunks.
@@ -93,11 +96,12 @@ pub fn build(cfg: &ModelConfig, chunks: &[usize]) -> Graphs {
         "graphs: chunk sizes {chunks:?} exceed the context capacity {}",
         cfg.context_capacity
     );
+    let ring = RingGeometry::new(cfg.sliding_window, *chunks.last().unwrap());
     let mut module = Module::new("kvsnap");
     let mut entry_points = Vec::new();
     for &c in &chunks {
         for input in Input::ALL {
-            let (text, entry) = entry_point(cfg, input, c);
+            let (text, entry) = entry_point(cfg, input, c, ring);
             module.push(text);
             entry_points.push(entry);
         }
@@ -109,6 +113,7 @@ pub fn build(cfg: &ModelConfig, chunks: &[usize]) -> Graphs {
             version: MANIFEST_VERSION,
             chunks,
             kv_layouts: kv_layouts(cfg),
+            ring,
             capacity: cfg.context_capacity,
             entry_points,
         },
@@ -132,7 +137,12 @@ fn spec(name: &str, role: Role, dims: &[usize], dtype: DType) -> TensorSpec {
 }
 
 /// The function text and manifest entry of one entry point.
-fn entry_point(cfg: &ModelConfig, input: Input, c: usize) -> (String, EntryPoint) {
+fn entry_point(
+    cfg: &ModelConfig,
+    input: Input,
+    c: usize,
+    ring: RingGeometry,
+) -> (String, EntryPoint) {
     let first = match input {
         Input::Ids => spec("ids", Role::Ids, &[c], DType::I32),
         Input::Embeddings => spec("emb", Role::Embeddings, &[c, cfg.hidden_size], DType::F32),
@@ -143,7 +153,7 @@ fn entry_point(cfg: &ModelConfig, input: Input, c: usize) -> (String, EntryPoint
         spec("valid", Role::Valid, &[], DType::I32),
     ];
     args.extend(weight_specs(cfg));
-    let kv = kv_specs(cfg);
+    let kv = kv_specs(cfg, ring);
     args.extend(kv.iter().cloned());
     let mut results = vec![
         spec("next", Role::Next, &[], DType::I32),
@@ -163,15 +173,12 @@ fn entry_point(cfg: &ModelConfig, input: Input, c: usize) -> (String, EntryPoint
         .map(|_| LayerWeights::from_args(&mut it))
         .collect();
     let norm = it.next().expect("model.norm");
-    let kv_in: Vec<Value> = it.collect();
-    assert_eq!(
-        kv_in.len(),
-        2 * cfg.num_layers(),
-        "one K and one V per layer"
-    );
+    let mut kv_in: Vec<Value> = it.collect();
+    let positions = kv_in.pop().expect("sliding.positions");
+    assert_eq!(kv_in.len(), 2 * cfg.num_layers(), "one K and V per layer");
 
     let mut f = Forward { b, cfg };
-    let ch = f.chunk(c, pos0, valid);
+    let (ch, positions) = f.chunk(c, pos0, valid, &positions, ring);
     let rows = match input {
         Input::Ids => f.gather(&embed, &chunk_input),
         Input::Embeddings => chunk_input,
@@ -186,6 +193,7 @@ fn entry_point(cfg: &ModelConfig, input: Input, c: usize) -> (String, EntryPoint
     let (next, logits) = f.head(&ch, &x, &norm, &embed);
     let mut outs = vec![&next, &logits];
     outs.extend(kv_out.iter());
+    outs.push(&positions);
     let text = f.b.finish(&outs);
     (
         text,

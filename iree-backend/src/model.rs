@@ -1,0 +1,428 @@
+//! `IreeModel`: the [`KvModel`] contract on IREE (llvm-cpu or Vulkan), running the graphs of
+//! [`crate::graphs`] with the KV state in device buffers.
+//!
+//! One module holds every entry point; the weights are imported once from the memory-mapped
+//! `model.safetensors` (zero-copy on the CPU device where the tensor's address allows it, else
+//! uploaded once) and passed to every call. A sequence of `n` tokens runs as chunks of the
+//! compiled sizes, largest first; the last short chunk is padded when a compiled size fits.
+
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use kvsnap_contract::{check, Error, KvModel, Logits, ModelConfig, Next, Result};
+use kvsnap_reference::{Tensor, Weights};
+
+use crate::compile::{CompileProgress, Compiler, Target};
+use crate::graphs::{self, entry_name, DType, Input, Manifest, DEFAULT_CHUNKS};
+use crate::runtime::{BufferView, Device, ElementType, ImportStats, Instance, Session};
+
+/// How to load an [`IreeModel`].
+#[derive(Clone, Debug)]
+pub struct IreeOptions {
+    /// `Target::LlvmCpu` (device `local-task`) or `Target::VulkanSpirv` (Vulkan device 0).
+    pub target: Target,
+    /// Chunk sizes to compile; 1 (the decode step) is always added.
+    pub chunks: Vec<usize>,
+    /// Context capacity in tokens (rows of the global layers' KV buffers); `None` keeps the
+    /// config's default.
+    pub capacity: Option<usize>,
+    /// Print compile progress to stderr.
+    pub verbose: bool,
+}
+
+impl IreeOptions {
+    /// CPU, default chunks and capacity, quiet.
+    pub fn cpu() -> Self {
+        IreeOptions {
+            target: Target::LlvmCpu,
+            chunks: DEFAULT_CHUNKS.to_vec(),
+            capacity: None,
+            verbose: false,
+        }
+    }
+
+    /// Vulkan device 0, default chunks and capacity, quiet.
+    pub fn vulkan() -> Self {
+        IreeOptions {
+            target: Target::VulkanSpirv,
+            ..Self::cpu()
+        }
+    }
+}
+
+/// What loading cost: the module size, the compile (or cache hit) and the weight imports.
+#[derive(Clone, Debug)]
+pub struct LoadReport {
+    /// Bytes of MLIR text of the module.
+    pub mlir_bytes: usize,
+    /// Wall time of the compile step (a cache hit costs a hash and a read).
+    pub compile: Duration,
+    /// Whether the vmfb came from the compile cache.
+    pub cache_hit: bool,
+    /// How the weights reached the device.
+    pub imports: ImportStats,
+}
+
+/// Gemma 3 on IREE. Immutable after loading; KV states are [`IreeKv`] values.
+pub struct IreeModel {
+    cfg: ModelConfig,
+    target: Target,
+    manifest: Manifest,
+    device: Device,
+    /// A VM context runs one call at a time (see [`Session`]).
+    session: Mutex<Session>,
+    weights: Vec<BufferView>, // manifest weight order
+    report: LoadReport,
+    /// KV results that came back in a new buffer instead of the argument's (see
+    /// [`IreeModel::kv_copies`]).
+    kv_copies: AtomicU64,
+}
+
+/// The KV state of one sequence: its device buffers (manifest KV order) and length.
+///
+/// The graphs update some buffers in place, so a buffer is never shared between two states:
+/// [`KvModel::snapshot`] copies every buffer on the device.
+#[derive(Debug)]
+pub struct IreeKv {
+    len: usize,
+    bufs: Vec<BufferView>, // [layer][k, v], then sliding.positions
+    /// Set when a device call failed midway: the buffers may hold part of an update.
+    poisoned: Option<String>,
+}
+
+/// A weight tensor as host bytes for [`BufferView::import_host`]; owns the mapping (or the
+/// widened copy) for as long as IREE uses it.
+struct TensorBytes(Tensor);
+
+impl AsRef<[u8]> for TensorBytes {
+    fn as_ref(&self) -> &[u8] {
+        let f: &[f32] = &self.0;
+        // SAFETY: any initialised f32 slice is a valid byte slice of 4x its length, with the
+        // same lifetime; u8 has alignment 1.
+        unsafe { std::slice::from_raw_parts(f.as_ptr().cast::<u8>(), std::mem::size_of_val(f)) }
+    }
+}
+
+/// The rows of one chunk call.
+#[derive(Clone, Copy)]
+enum ChunkInput<'a> {
+    Ids(&'a [u32]),
+    Embeddings(&'a [f32]),
+}
+
+impl IreeModel {
+    /// Loads `config.json` and `model.safetensors` from an HF checkpoint directory, builds and
+    /// compiles (cached) the graphs, opens the device and imports the weights.
+    pub fn load(dir: &Path, opts: &IreeOptions) -> Result<Self> {
+        let path = dir.join("config.json");
+        let mut cfg = ModelConfig::from_file(&path)?;
+        if let Some(capacity) = opts.capacity {
+            cfg = cfg
+                .with_context_capacity(capacity)
+                .map_err(|problem| Error::Config { path, problem })?;
+        }
+        Self::load_config(dir, cfg, opts)
+    }
+
+    /// Like [`IreeModel::load`] with an already parsed config.
+    pub fn load_config(dir: &Path, cfg: ModelConfig, opts: &IreeOptions) -> Result<Self> {
+        let mut chunks = opts.chunks.clone();
+        chunks.push(1);
+        chunks.retain(|&c| c <= cfg.context_capacity);
+        let g = graphs::build(&cfg, &chunks);
+
+        let compiler = Compiler::discover()?;
+        let verbose = opts.verbose;
+        let start = Instant::now();
+        let compiled = compiler.compile(&g.mlir, opts.target, &mut |p: &CompileProgress| {
+            if verbose {
+                eprintln!("{p}");
+            }
+        })?;
+        let compile = start.elapsed();
+
+        let instance = Instance::new()?;
+        let device = match opts.target {
+            Target::LlvmCpu => Device::cpu(&instance)?,
+            Target::VulkanSpirv => Device::vulkan(&instance, 0)?,
+        };
+        let session = Session::new(&device, &compiled.vmfb)?;
+
+        let file = Weights::open(&dir.join("model.safetensors"))?;
+        let first = &g.manifest.entry_points[0];
+        let weights = first
+            .weights()
+            .map(|spec| {
+                let t = file.tensor(&spec.name, &spec.dims)?;
+                let (view, _mode) =
+                    BufferView::import_host(&device, TensorBytes(t), &spec.dims, ElementType::F32)?;
+                Ok(view)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let report = LoadReport {
+            mlir_bytes: g.mlir.len(),
+            compile,
+            cache_hit: compiled.cache_hit,
+            imports: device.import_stats(),
+        };
+        Ok(IreeModel {
+            cfg,
+            target: opts.target,
+            manifest: g.manifest,
+            device,
+            session: Mutex::new(session),
+            weights,
+            report,
+            kv_copies: AtomicU64::new(0),
+        })
+    }
+
+    /// What loading cost.
+    pub fn load_report(&self) -> &LoadReport {
+        &self.report
+    }
+
+    /// The manifest of the compiled module.
+    pub fn manifest(&self) -> &Manifest {
+        &self.manifest
+    }
+
+    /// How many KV results so far were new buffers rather than their argument updated in place.
+    /// The graphs write every KV buffer before reading it so that IREE updates it in place; a
+    /// non-zero count means a whole-buffer copy per call crept back in.
+    pub fn kv_copies(&self) -> u64 {
+        self.kv_copies.load(Ordering::Relaxed)
+    }
+
+    /// The device the model runs on.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// A fresh, zeroed KV state.
+    fn new_kv(&self) -> Result<IreeKv> {
+        let first = &self.manifest.entry_points[0];
+        let bufs = first
+            .kv()
+            .map(|spec| {
+                let elem = match spec.dtype {
+                    DType::F32 => ElementType::F32,
+                    DType::I32 => ElementType::I32,
+                };
+                BufferView::zeros(&self.device, &spec.dims, elem)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(IreeKv {
+            len: 0,
+            bufs,
+            poisoned: None,
+        })
+    }
+
+    /// Splits `n` rows starting at position `pos` into `(chunk size, valid rows)` calls: the
+    /// largest compiled size while at least that many rows remain, then the smallest size that
+    /// holds the rest if it fits in the capacity, else the largest size not above the rest.
+    fn plan(&self, mut pos: usize, mut n: usize) -> Vec<(usize, usize)> {
+        let chunks = &self.manifest.chunks; // ascending, contains 1
+        let mut out = Vec::new();
+        while n > 0 {
+            let largest = *chunks.last().expect("at least one chunk size");
+            let c = if n >= largest {
+                largest
+            } else {
+                chunks
+                    .iter()
+                    .copied()
+                    .find(|&c| c >= n && pos + c <= self.cfg.context_capacity)
+                    .unwrap_or_else(|| {
+                        chunks
+                            .iter()
+                            .copied()
+                            .filter(|&c| c <= n)
+                            .max()
+                            .unwrap_or(1)
+                    })
+            };
+            let valid = c.min(n);
+            out.push((c, valid));
+            pos += valid;
+            n -= valid;
+        }
+        out
+    }
+
+    /// Runs `input` (`n` rows) at the end of `kv` and returns the last row's next token.
+    fn forward(
+        &self,
+        op: &'static str,
+        kv: &mut IreeKv,
+        input: ChunkInput,
+        want: Logits,
+    ) -> Result<Next> {
+        if let Some(cause) = &kv.poisoned {
+            return Err(Error::Poisoned {
+                op,
+                cause: cause.clone(),
+            });
+        }
+        match self.run_chunks(kv, input, want) {
+            Ok(next) => Ok(next),
+            Err(e) => {
+                kv.poisoned = Some(e.to_string());
+                Err(e)
+            }
+        }
+    }
+
+    fn run_chunks(&self, kv: &mut IreeKv, input: ChunkInput, want: Logits) -> Result<Next> {
+        let h = self.cfg.hidden_size;
+        let n = match input {
+            ChunkInput::Ids(ids) => ids.len(),
+            ChunkInput::Embeddings(rows) => rows.len() / h,
+        };
+        let session = self
+            .session
+            .lock()
+            .map_err(|_| self.backend_error("lock session", "a previous call panicked"))?;
+        let mut last = None;
+        let mut done = 0;
+        for (c, valid) in self.plan(kv.len, n) {
+            let (first, name) = match input {
+                ChunkInput::Ids(ids) => {
+                    let mut part = vec![0i32; c];
+                    for (p, &id) in part.iter_mut().zip(&ids[done..done + valid]) {
+                        *p = id as i32;
+                    }
+                    (
+                        BufferView::from_i32(&self.device, &[c], &part)?,
+                        entry_name(Input::Ids, c),
+                    )
+                }
+                ChunkInput::Embeddings(rows) => {
+                    let mut part = vec![0f32; c * h];
+                    part[..valid * h].copy_from_slice(&rows[done * h..(done + valid) * h]);
+                    (
+                        BufferView::from_f32(&self.device, &[c, h], &part)?,
+                        entry_name(Input::Embeddings, c),
+                    )
+                }
+            };
+            let pos0 = BufferView::from_i32(&self.device, &[], &[kv.len as i32])?;
+            let nvalid = BufferView::from_i32(&self.device, &[], &[valid as i32])?;
+            let mut args: Vec<&BufferView> = vec![&first, &pos0, &nvalid];
+            args.extend(self.weights.iter());
+            args.extend(kv.bufs.iter());
+            let mut outs = session.call(&name, &args)?;
+            drop(args);
+            if outs.len() != 2 + kv.bufs.len() {
+                return Err(self.backend_error(
+                    &format!("call {name}"),
+                    &format!("{} results, expected {}", outs.len(), 2 + kv.bufs.len()),
+                ));
+            }
+            let new_bufs = outs.split_off(2);
+            let copied = new_bufs
+                .iter()
+                .zip(&kv.bufs)
+                .filter(|(new, old)| !new.shares_storage_with(old))
+                .count();
+            self.kv_copies.fetch_add(copied as u64, Ordering::Relaxed);
+            kv.bufs = new_bufs;
+            kv.len += valid;
+            done += valid;
+            last = Some(outs);
+        }
+        let outs = last.expect("at least one chunk: inputs are non-empty");
+        let token = outs[0].to_i32_vec()?[0];
+        let logits = match want {
+            Logits::Return => Some(outs[1].to_f32_vec()?),
+            Logits::Skip => None,
+        };
+        Ok(Next {
+            token: token as u32,
+            logits,
+        })
+    }
+
+    fn backend_error(&self, op: &str, status: &str) -> Error {
+        Error::Backend {
+            backend: self.target.backend(),
+            op: op.to_string(),
+            status: status.to_string(),
+        }
+    }
+}
+
+impl KvModel for IreeModel {
+    type Kv = IreeKv;
+
+    fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    fn backend(&self) -> &'static str {
+        self.target.backend()
+    }
+
+    fn prefill(&self, ids: &[u32], logits: Logits) -> Result<(IreeKv, Next)> {
+        check::tokens(&self.cfg, "prefill", 0, ids)?;
+        let mut kv = self.new_kv()?;
+        let next = self.forward("prefill", &mut kv, ChunkInput::Ids(ids), logits)?;
+        Ok((kv, next))
+    }
+
+    fn prefill_embeddings(
+        &self,
+        ids: &[u32],
+        embeddings: &[f32],
+        logits: Logits,
+    ) -> Result<(IreeKv, Next)> {
+        check::tokens(&self.cfg, "prefill_embeddings", 0, ids)?;
+        check::embeddings(&self.cfg, "prefill_embeddings", ids.len(), embeddings)?;
+        let mut kv = self.new_kv()?;
+        let input = ChunkInput::Embeddings(embeddings);
+        let next = self.forward("prefill_embeddings", &mut kv, input, logits)?;
+        Ok((kv, next))
+    }
+
+    fn extend(&self, kv: &mut IreeKv, ids: &[u32], logits: Logits) -> Result<Next> {
+        check::tokens(&self.cfg, "extend", kv.len, ids)?;
+        self.forward("extend", kv, ChunkInput::Ids(ids), logits)
+    }
+
+    fn step(&self, kv: &mut IreeKv, id: u32, logits: Logits) -> Result<Next> {
+        check::tokens(&self.cfg, "step", kv.len, &[id])?;
+        self.forward("step", kv, ChunkInput::Ids(&[id]), logits)
+    }
+
+    fn snapshot(&self, kv: &IreeKv) -> Result<IreeKv> {
+        if let Some(cause) = &kv.poisoned {
+            return Err(Error::Poisoned {
+                op: "snapshot",
+                cause: cause.clone(),
+            });
+        }
+        let bufs = kv
+            .bufs
+            .iter()
+            .map(BufferView::device_copy)
+            .collect::<Result<Vec<_>>>()?;
+        Ok(IreeKv {
+            len: kv.len,
+            bufs,
+            poisoned: None,
+        })
+    }
+
+    fn len(&self, kv: &IreeKv) -> usize {
+        kv.len
+    }
+
+    /// Bytes of device memory the state's buffers hold (allocated in full: sliding layers
+    /// `ring.rows`, global layers the capacity, plus the positions table).
+    fn kv_bytes(&self, kv: &IreeKv) -> u64 {
+        kv.bufs.iter().map(|b| b.byte_length() as u64).sum()
+    }
+}

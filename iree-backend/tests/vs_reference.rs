@@ -1,0 +1,272 @@
+//! `IreeModel` (llvm-cpu) against `kvsnap_reference::ReferenceModel` on the tiny model: every
+//! operation's logits within `Tolerance::LOGITS` and the same greedy tokens.
+//!
+//! Prints `SKIPPED: iree-compile not found` (and passes) when the compiler is not installed.
+
+use std::sync::OnceLock;
+
+use kvsnap_contract::{KvModel, Logits, Next, Tolerance};
+use kvsnap_iree::compile::Compiler;
+use kvsnap_iree::{IreeModel, IreeOptions};
+use kvsnap_reference::tiny::{write_model, Preset, DEFAULT_SEED};
+use kvsnap_reference::ReferenceModel;
+
+struct Pair {
+    iree: IreeModel,
+    reference: ReferenceModel,
+}
+
+/// The tiny model on both backends, built once per test binary; `None` without a compiler.
+fn pair() -> Option<&'static Pair> {
+    static PAIR: OnceLock<Option<Pair>> = OnceLock::new();
+    PAIR.get_or_init(|| {
+        if let Err(e) = Compiler::discover() {
+            eprintln!("SKIPPED: iree-compile not found ({e})");
+            return None;
+        }
+        let dir = std::env::temp_dir().join(format!("kvsnap-iree-parity-{}", std::process::id()));
+        write_model(&dir, Preset::Tiny, DEFAULT_SEED).expect("tiny model");
+        let reference = ReferenceModel::load(&dir).expect("reference model");
+        let iree = IreeModel::load(&dir, &IreeOptions::cpu()).expect("IREE model");
+        Some(Pair { iree, reference })
+    })
+    .as_ref()
+}
+
+/// Deterministic token ids in the tiny vocab.
+fn ids(n: usize, seed: u64) -> Vec<u32> {
+    (0..n as u64)
+        .map(|i| ((i * 2_654_435_761 + seed * 977 + 12_345) % 512) as u32)
+        .collect()
+}
+
+#[track_caller]
+fn assert_close(what: &str, got: &Next, want: &Next) {
+    let (g, w) = (
+        got.logits.as_ref().expect("iree logits"),
+        want.logits.as_ref().expect("reference logits"),
+    );
+    assert_eq!(g.len(), w.len(), "{what}: logits length");
+    let tol = Tolerance::LOGITS;
+    let (worst, at) = g
+        .iter()
+        .zip(w)
+        .enumerate()
+        .map(|(i, (a, b))| ((a - b).abs() as f64, i))
+        .fold((0.0, 0), |m, x| if x.0 > m.0 { x } else { m });
+    assert!(
+        g.iter()
+            .zip(w)
+            .all(|(a, b)| tol.accepts(*a as f64, *b as f64)),
+        "{what}: logit {at} differs by {worst} (got {}, want {})",
+        g[at],
+        w[at]
+    );
+    assert_eq!(got.token, want.token, "{what}: next token");
+}
+
+#[test]
+fn prefill_extend_step_match_the_reference() {
+    let Some(p) = pair() else { return };
+    let r = Logits::Return;
+    let seq = ids(60, 1);
+    // 23 = 16 + 7 (padded to 16); 30 = 16 + 14; then steps: crosses the 6-token window and
+    // every chunk size.
+    let (mut a, na) = p.iree.prefill(&seq[..23], r).unwrap();
+    let (mut b, nb) = p.reference.prefill(&seq[..23], r).unwrap();
+    assert_close("prefill 23", &na, &nb);
+    let na = p.iree.extend(&mut a, &seq[23..53], r).unwrap();
+    let nb = p.reference.extend(&mut b, &seq[23..53], r).unwrap();
+    assert_close("extend 30", &na, &nb);
+    let mut t = na.token;
+    for i in 0..8 {
+        let na = p.iree.step(&mut a, t, r).unwrap();
+        let nb = p.reference.step(&mut b, t, r).unwrap();
+        assert_close(&format!("step {i}"), &na, &nb);
+        t = na.token;
+    }
+    assert_eq!(p.iree.len(&a), 61);
+    // Logits::Skip returns the token only.
+    let skip = p.iree.step(&mut a, t, Logits::Skip).unwrap();
+    let want = p.reference.step(&mut b, t, r).unwrap();
+    assert_eq!((skip.token, skip.logits), (want.token, None));
+    // Every KV buffer was updated in place by every call (no whole-buffer copies).
+    assert_eq!(p.iree.kv_copies(), 0, "KV results in new buffers");
+}
+
+#[test]
+fn long_prefill_up_to_capacity_and_overflow_leaves_state_unchanged() {
+    let Some(p) = pair() else { return };
+    let r = Logits::Return;
+    let cap = p.iree.config().context_capacity;
+    let seq = ids(cap, 2);
+    // 100 = 64 + 36 (padded to 64), then up to the capacity with a chunk that cannot be padded.
+    let (mut a, na) = p.iree.prefill(&seq[..100], r).unwrap();
+    let (mut b, nb) = p.reference.prefill(&seq[..100], r).unwrap();
+    assert_close("prefill 100", &na, &nb);
+    let na = p.iree.extend(&mut a, &seq[100..cap - 1], r).unwrap();
+    let nb = p.reference.extend(&mut b, &seq[100..cap - 1], r).unwrap();
+    assert_close("extend to capacity - 1", &na, &nb);
+    let err = p.iree.extend(&mut a, &[1, 2], r).unwrap_err();
+    assert_eq!(err.kind(), "context_overflow");
+    let err = p.iree.step(&mut a, 512, r).unwrap_err();
+    assert_eq!(err.kind(), "token_out_of_range");
+    assert_eq!(p.iree.len(&a), cap - 1);
+    let na = p.iree.step(&mut a, seq[cap - 1], r).unwrap();
+    let nb = p.reference.step(&mut b, seq[cap - 1], r).unwrap();
+    assert_close("last step", &na, &nb);
+}
+
+#[test]
+fn snapshots_are_independent() {
+    let Some(p) = pair() else { return };
+    let r = Logits::Return;
+    let seq = ids(40, 3);
+    let (mut a, _) = p.iree.prefill(&seq[..20], r).unwrap();
+    let (mut b, _) = p.reference.prefill(&seq[..20], r).unwrap();
+    let a_snap = p.iree.snapshot(&a).unwrap();
+    let b_snap = p.reference.snapshot(&b).unwrap();
+    // Diverge the original (a chunk and steps, so every KV buffer is written).
+    p.iree.extend(&mut a, &seq[20..37], r).unwrap();
+    p.reference.extend(&mut b, &seq[20..37], r).unwrap();
+    for &t in &seq[37..40] {
+        let na = p.iree.step(&mut a, t, r).unwrap();
+        let nb = p.reference.step(&mut b, t, r).unwrap();
+        assert_close("original after snapshot", &na, &nb);
+    }
+    // The snapshot still continues from token 20.
+    let (mut a2, mut b2) = (a_snap, b_snap);
+    for (i, &t) in [7u32, 300, 42, 5, 6, 7, 8].iter().enumerate() {
+        let na = p.iree.step(&mut a2, t, r).unwrap();
+        let nb = p.reference.step(&mut b2, t, r).unwrap();
+        assert_close(&format!("snapshot step {i}"), &na, &nb);
+    }
+    assert_eq!(p.iree.len(&a2), 27);
+    p.iree.release(a2).unwrap();
+    // The original is unaffected by the snapshot's steps.
+    let na = p.iree.step(&mut a, 9, r).unwrap();
+    let nb = p.reference.step(&mut b, 9, r).unwrap();
+    assert_close("original after the snapshot diverged", &na, &nb);
+}
+
+#[test]
+fn embeddings_input_matches_ids_input() {
+    let Some(p) = pair() else { return };
+    let r = Logits::Return;
+    let seq = ids(45, 4);
+    let rows = p.reference.embedding_rows(&seq).unwrap();
+    let (mut a, na) = p.iree.prefill(&seq, r).unwrap();
+    let (mut e, ne) = p.iree.prefill_embeddings(&seq, &rows, r).unwrap();
+    let (mut b, nb) = p.reference.prefill(&seq, r).unwrap();
+    assert_close("embeddings vs reference", &ne, &nb);
+    assert_close("embeddings vs ids", &ne, &na);
+    for &t in &[3u32, 4, 5] {
+        let na = p.iree.step(&mut a, t, r).unwrap();
+        let ne = p.iree.step(&mut e, t, r).unwrap();
+        let nb = p.reference.step(&mut b, t, r).unwrap();
+        assert_close("step after embeddings prefill", &ne, &nb);
+        assert_close("step after ids prefill", &na, &nb);
+    }
+    let bad = p.iree.prefill_embeddings(&seq, &rows[1..], r).unwrap_err();
+    assert_eq!(bad.kind(), "shape_mismatch");
+}
+
+#[test]
+fn kv_bytes_are_the_allocated_buffers() {
+    let Some(p) = pair() else { return };
+    let cfg = p.iree.config();
+    let (kv, _) = p.iree.prefill(&[1, 2, 3], Logits::Skip).unwrap();
+    let ring = p.iree.manifest().ring;
+    let rows: usize = cfg
+        .layer_kinds
+        .iter()
+        .map(|k| match k {
+            kvsnap_contract::LayerKind::Sliding => ring.rows,
+            kvsnap_contract::LayerKind::Global => cfg.context_capacity,
+        })
+        .sum();
+    assert_eq!(
+        p.iree.kv_bytes(&kv),
+        (rows * 2 * cfg.kv_row() * 4 + ring.rows * 4) as u64
+    );
+}
+
+/// The real Gemma 3 270M (`$KVSNAP_REAL_MODEL`, default `models/gemma-3-270m`): parity with the
+/// reference on a prefill, an extend and steps, plus the timings of one 64-row chunk and one
+/// decode step. Run with `cargo test -p kvsnap-iree --release --test vs_reference -- --ignored
+/// --nocapture`.
+#[test]
+#[ignore = "needs the real model and minutes of compile time"]
+fn real_model_parity_and_timings() {
+    use std::time::Instant;
+    let dir = std::env::var_os("KVSNAP_REAL_MODEL")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| {
+            std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/gemma-3-270m")
+        });
+    if !dir.join("model.safetensors").is_file() || Compiler::discover().is_err() {
+        eprintln!(
+            "SKIPPED: no real model at {} or no iree-compile",
+            dir.display()
+        );
+        return;
+    }
+    let mut opts = IreeOptions::cpu();
+    opts.verbose = true;
+    let iree = IreeModel::load(&dir, &opts).unwrap();
+    let rep = iree.load_report();
+    eprintln!(
+        "module: {} KB MLIR, compile {:.1} s (cache hit: {}), weights {:?}",
+        rep.mlir_bytes / 1024,
+        rep.compile.as_secs_f64(),
+        rep.cache_hit,
+        rep.imports
+    );
+    let reference = ReferenceModel::load(&dir).unwrap();
+    let vocab = iree.config().vocab_size as u64;
+    let seq: Vec<u32> = (0..130u64)
+        .map(|i| ((i * 2_654_435_761 + 12_345) % vocab) as u32)
+        .collect();
+    let r = Logits::Return;
+
+    let (mut a, na) = iree.prefill(&seq[..100], r).unwrap();
+    let (mut b, nb) = reference.prefill(&seq[..100], r).unwrap();
+    assert_close("real prefill 100", &na, &nb);
+    let na = iree.extend(&mut a, &seq[100..120], r).unwrap();
+    let nb = reference.extend(&mut b, &seq[100..120], r).unwrap();
+    assert_close("real extend 20", &na, &nb);
+    let mut t = na.token;
+    for i in 0..5 {
+        let na = iree.step(&mut a, t, r).unwrap();
+        let nb = reference.step(&mut b, t, r).unwrap();
+        assert_close(&format!("real step {i}"), &na, &nb);
+        t = na.token;
+    }
+
+    let skip = Logits::Skip;
+    let start = Instant::now();
+    let reps = 5;
+    for _ in 0..reps {
+        iree.prefill(&seq[..64], skip).unwrap();
+    }
+    let chunk = start.elapsed() / reps;
+    let (mut kv, n) = iree.prefill(&seq[..64], skip).unwrap();
+    let mut t = n.token;
+    iree.step(&mut kv, t, skip).unwrap();
+    let steps = 20;
+    let start = Instant::now();
+    for _ in 0..steps {
+        t = iree.step(&mut kv, t, skip).unwrap().token;
+    }
+    let step = start.elapsed() / steps;
+    let start = Instant::now();
+    let snap = iree.snapshot(&kv).unwrap();
+    let snapshot = start.elapsed();
+    eprintln!(
+        "prefill of one 64-row chunk: {:.1} ms; decode step: {:.1} ms; snapshot ({} MB): {:.2} ms",
+        chunk.as_secs_f64() * 1e3,
+        step.as_secs_f64() * 1e3,
+        iree.kv_bytes(&snap) >> 20,
+        snapshot.as_secs_f64() * 1e3
+    );
+}
