@@ -4,13 +4,26 @@
 //! CLI, fuzzers) cannot hold "some `KvModel`" directly. [`Session`] wraps any `KvModel` with a
 //! [`HandleTable`] of its KV states and implements [`DynModel`], which is object safe:
 //! `Box<dyn DynModel>` serves every backend through `u64` handles.
+//!
+//! # KV budget
+//! A session counts the bytes of its live KV states ([`KvModel::kv_bytes`]) and may cap them
+//! ([`Session::with_kv_budget`]). An operation that would go past the cap fails with
+//! [`Error::KvBudget`] before it runs and changes nothing. The growth of an operation is
+//! predicted before it runs: a new state of `n` tokens costs [`ModelConfig::kv_bytes`]`(n)`, an
+//! extend the part of `ModelConfig::kv_bytes(len + n)` the state does not hold yet (0 for
+//! backends that allocate the whole capacity up front), a snapshot the bytes of its source.
+//! After the operation the count follows the state's real size. A new state that turns out
+//! larger than predicted (a preallocating backend) is freed again when it does not fit; a grown
+//! state cannot be shrunk back, so a backend whose states grow past the prediction may overshoot
+//! the cap by one extend (the in-tree backends never do). Input errors take precedence over the
+//! budget: the inputs are checked first.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::handles::HandleTable;
-use crate::model::{KvModel, Logits, Next};
+use crate::model::{check, KvModel, Logits, Next};
 
 /// The [`KvModel`] contract over `u64` KV handles; see [`crate::handles`] for what makes a
 /// handle invalid and for the locking.
@@ -62,10 +75,48 @@ pub trait DynModel: Send + Sync {
     fn close(&self) -> Result<()>;
 }
 
-/// A [`KvModel`] with a handle table of its KV states: the generic [`DynModel`].
+/// A [`KvModel`] with a handle table of its KV states: the generic [`DynModel`], with an
+/// optional cap on the bytes of its live KV states (see the [module documentation](self)).
 pub struct Session<M: KvModel> {
     model: Arc<M>,
     states: HandleTable<M::Kv>,
+    budget: Budget,
+}
+
+/// Bytes of live KV states, reservations of operations in flight included, against a cap.
+struct Budget {
+    cap: Option<u64>,
+    live: Mutex<u64>,
+}
+
+impl Budget {
+    fn live(&self) -> std::sync::MutexGuard<'_, u64> {
+        // Only arithmetic runs under this lock, so a poisoned lock still holds a consistent count.
+        self.live.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Counts `adding` bytes, or fails with [`Error::KvBudget`] when they do not fit.
+    fn reserve(&self, op: &'static str, adding: u64) -> Result<()> {
+        let mut live = self.live();
+        if let Some(cap) = self.cap {
+            if live.saturating_add(adding) > cap {
+                return Err(Error::KvBudget {
+                    op,
+                    live: *live,
+                    adding,
+                    cap,
+                });
+            }
+        }
+        *live += adding;
+        Ok(())
+    }
+
+    /// Replaces `counted` bytes by `actual` ones, whatever the cap (the memory exists).
+    fn settle(&self, counted: u64, actual: u64) {
+        let mut live = self.live();
+        *live = (*live + actual).saturating_sub(counted);
+    }
 }
 
 impl<M: KvModel> Session<M> {
@@ -79,7 +130,28 @@ impl<M: KvModel> Session<M> {
         Session {
             model,
             states: HandleTable::new(),
+            budget: Budget {
+                cap: None,
+                live: Mutex::new(0),
+            },
         }
+    }
+
+    /// Caps the bytes of the live KV states at `cap`: an operation that would exceed it fails
+    /// with [`Error::KvBudget`] and changes nothing.
+    pub fn with_kv_budget(mut self, cap: u64) -> Self {
+        self.budget.cap = Some(cap);
+        self
+    }
+
+    /// The cap set by [`Session::with_kv_budget`], if any.
+    pub fn kv_budget(&self) -> Option<u64> {
+        self.budget.cap
+    }
+
+    /// Bytes of the live KV states (and of operations in flight).
+    pub fn live_kv_bytes(&self) -> u64 {
+        *self.budget.live()
     }
 
     /// The wrapped model.
@@ -89,8 +161,71 @@ impl<M: KvModel> Session<M> {
 
     /// Stores a state produced outside the session (e.g. by [`Session::model`]) and returns
     /// its handle.
+    ///
+    /// # Errors
+    /// [`Error::KvBudget`] when the state does not fit the budget (it is dropped).
     pub fn adopt(&self, kv: M::Kv) -> Result<u64> {
-        self.states.insert("adopt", kv)
+        let bytes = self.model.kv_bytes(&kv);
+        self.budget.reserve("adopt", bytes)?;
+        self.insert("adopt", kv, bytes)
+    }
+
+    /// Stores a new state whose `bytes` are already counted.
+    fn insert(&self, op: &'static str, kv: M::Kv, bytes: u64) -> Result<u64> {
+        self.states.insert(op, kv).inspect_err(|_| {
+            // The table dropped the state it refused.
+            self.budget.settle(bytes, 0);
+        })
+    }
+
+    /// A new state from `make`, counted against the budget: `predicted` bytes are reserved
+    /// before it runs; a state larger than predicted that does not fit is freed again.
+    fn new_state(
+        &self,
+        op: &'static str,
+        predicted: u64,
+        make: impl FnOnce() -> Result<(M::Kv, Next)>,
+    ) -> Result<(u64, Next)> {
+        self.budget.reserve(op, predicted)?;
+        let (kv, next) = make().inspect_err(|_| self.budget.settle(predicted, 0))?;
+        let actual = self.model.kv_bytes(&kv);
+        if actual > predicted {
+            self.budget.settle(predicted, 0);
+            if let Err(e) = self.budget.reserve(op, actual) {
+                let _ = self.model.release(kv);
+                return Err(e);
+            }
+        } else {
+            self.budget.settle(predicted, actual);
+        }
+        Ok((self.insert(op, kv, actual)?, next))
+    }
+
+    /// Runs `f` (an extend of `n` tokens) on the state of `kv`, counting its growth.
+    fn grow(
+        &self,
+        op: &'static str,
+        kv: u64,
+        ids: &[u32],
+        f: impl FnOnce(&mut M::Kv) -> Result<Next>,
+    ) -> Result<Next> {
+        self.states.with_mut(op, kv, |s| {
+            let len = self.model.len(s);
+            check::tokens(self.model.config(), op, len, ids)?;
+            let before = self.model.kv_bytes(s);
+            let predicted = self
+                .model
+                .config()
+                .kv_bytes(len + ids.len())
+                .saturating_sub(before);
+            self.budget.reserve(op, predicted)?;
+            // Settle on failure too: a failure midway may have grown the (now poisoned) state,
+            // and its release uncounts what it holds then.
+            let result = f(s);
+            self.budget
+                .settle(before + predicted, self.model.kv_bytes(s));
+            result
+        })
     }
 }
 
@@ -104,11 +239,13 @@ impl<M: KvModel> DynModel for Session<M> {
     }
 
     fn prefill(&self, ids: &[u32], logits: Logits) -> Result<(u64, Next)> {
+        let op = "prefill";
         if self.states.is_closed() {
-            return Err(Error::Closed { op: "prefill" });
+            return Err(Error::Closed { op });
         }
-        let (kv, next) = self.model.prefill(ids, logits)?;
-        Ok((self.states.insert("prefill", kv)?, next))
+        check::tokens(self.model.config(), op, 0, ids)?;
+        let predicted = self.model.config().kv_bytes(ids.len());
+        self.new_state(op, predicted, || self.model.prefill(ids, logits))
     }
 
     fn prefill_embeddings(
@@ -117,34 +254,44 @@ impl<M: KvModel> DynModel for Session<M> {
         embeddings: &[f32],
         logits: Logits,
     ) -> Result<(u64, Next)> {
+        let op = "prefill_embeddings";
         if self.states.is_closed() {
-            return Err(Error::Closed {
-                op: "prefill_embeddings",
-            });
+            return Err(Error::Closed { op });
         }
-        let (kv, next) = self.model.prefill_embeddings(ids, embeddings, logits)?;
-        Ok((self.states.insert("prefill_embeddings", kv)?, next))
+        check::tokens(self.model.config(), op, 0, ids)?;
+        let predicted = self.model.config().kv_bytes(ids.len());
+        self.new_state(op, predicted, || {
+            self.model.prefill_embeddings(ids, embeddings, logits)
+        })
     }
 
     fn extend(&self, kv: u64, ids: &[u32], logits: Logits) -> Result<Next> {
-        self.states
-            .with_mut("extend", kv, |s| self.model.extend(s, ids, logits))
+        self.grow("extend", kv, ids, |s| self.model.extend(s, ids, logits))
     }
 
     fn step(&self, kv: u64, id: u32, logits: Logits) -> Result<Next> {
-        self.states
-            .with_mut("step", kv, |s| self.model.step(s, id, logits))
+        self.grow("step", kv, &[id], |s| self.model.step(s, id, logits))
     }
 
     fn snapshot(&self, kv: u64) -> Result<u64> {
-        let copy = self
-            .states
-            .with_ref("snapshot", kv, |s| self.model.snapshot(s))?;
-        self.states.insert("snapshot", copy)
+        let op = "snapshot";
+        let (copy, bytes) = self.states.with_ref(op, kv, |s| {
+            let bytes = self.model.kv_bytes(s);
+            self.budget.reserve(op, bytes)?;
+            let copy = self
+                .model
+                .snapshot(s)
+                .inspect_err(|_| self.budget.settle(bytes, 0))?;
+            let actual = self.model.kv_bytes(&copy);
+            self.budget.settle(bytes, actual);
+            Ok((copy, actual))
+        })?;
+        self.insert(op, copy, bytes)
     }
 
     fn release(&self, kv: u64) -> Result<()> {
         let state = self.states.remove("release", kv)?;
+        self.budget.settle(self.model.kv_bytes(&state), 0);
         self.model.release(state)
     }
 
@@ -164,6 +311,7 @@ impl<M: KvModel> DynModel for Session<M> {
     fn close(&self) -> Result<()> {
         let mut first_failure = None;
         for state in self.states.close() {
+            self.budget.settle(self.model.kv_bytes(&state), 0);
             if let Err(e) = self.model.release(state) {
                 first_failure.get_or_insert(e);
             }
@@ -286,6 +434,50 @@ mod tests {
                 ..
             })
         ));
+    }
+
+    #[test]
+    fn the_kv_budget_refuses_growth_past_the_cap_and_changes_nothing() {
+        // Sum's states cost the config's formula: 16 bytes per cached row (2 layers, window 3).
+        let m = Session::new(Sum::new()).with_kv_budget(150);
+        let (a, _) = m.prefill(&[1, 2, 3], Logits::Skip).unwrap();
+        assert_eq!(m.live_kv_bytes(), 96);
+        match m.snapshot(a) {
+            Err(Error::KvBudget {
+                op: "snapshot",
+                live: 96,
+                adding: 96,
+                cap: 150,
+            }) => {}
+            other => panic!("expected a budget error, got {other:?}"),
+        }
+        assert_eq!((m.live(), m.live_kv_bytes()), (1, 96));
+        m.step(a, 1, Logits::Skip).unwrap();
+        assert_eq!(m.live_kv_bytes(), 112);
+        let e = m.extend(a, &[1, 1, 1], Logits::Skip).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::KvBudget {
+                    live: 112,
+                    adding: 48,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        assert!(
+            e.to_string().contains("112 bytes live + 48 new > cap 150"),
+            "{e}"
+        );
+        assert_eq!(m.len(a).unwrap(), 4, "the refused extend changed nothing");
+        assert_eq!(m.step(a, 0, Logits::Skip).unwrap().token, 7);
+        m.release(a).unwrap();
+        assert_eq!(m.live_kv_bytes(), 0);
+        m.prefill(&[1; 6], Logits::Skip).unwrap();
+        assert_eq!(m.live_kv_bytes(), 144);
+        m.close().unwrap();
+        assert_eq!(m.live_kv_bytes(), 0);
     }
 
     #[test]

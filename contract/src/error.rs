@@ -43,6 +43,17 @@ pub enum Error {
         got: Vec<usize>,
     },
 
+    /// An input value that must be finite (an embedding) is NaN or infinite. Rejected before
+    /// anything changes: a NaN row would turn every later logit of its sequence into NaN.
+    #[error("{op}: {what} holds a non-finite value {value} at row {row}, column {column}")]
+    NonFinite {
+        op: &'static str,
+        what: &'static str,
+        row: usize,
+        column: usize,
+        value: f32,
+    },
+
     /// A handle that was released, never issued, or belongs to another model.
     #[error("{op}: stale handle {handle:#x} ({reason})")]
     StaleHandle {
@@ -128,6 +139,7 @@ impl Error {
             Error::EmptyInput { .. } => "empty_input",
             Error::ContextOverflow { .. } => "context_overflow",
             Error::ShapeMismatch { .. } => "shape_mismatch",
+            Error::NonFinite { .. } => "non_finite",
             Error::StaleHandle { .. } => "stale_handle",
             Error::Closed { .. } => "closed",
             Error::Poisoned { .. } => "poisoned",

@@ -349,6 +349,7 @@ fn is_input_error(e: &Error) -> bool {
             | Error::EmptyInput { .. }
             | Error::ContextOverflow { .. }
             | Error::ShapeMismatch { .. }
+            | Error::NonFinite { .. }
             | Error::KvBudget { .. }
             | Error::Unsupported { .. }
             | Error::StaleHandle { .. }

@@ -134,7 +134,7 @@ pub mod check {
         Ok(())
     }
 
-    /// Checks raw embedding rows have shape `[n, hidden]`.
+    /// Checks raw embedding rows have shape `[n, hidden]` and are all finite.
     pub fn embeddings(cfg: &ModelConfig, op: &'static str, n: usize, rows: &[f32]) -> Result<()> {
         if rows.len() != n * cfg.hidden_size {
             let got = if rows.len() % cfg.hidden_size == 0 {
@@ -147,6 +147,15 @@ pub mod check {
                 what: "embeddings",
                 expected: vec![n, cfg.hidden_size],
                 got,
+            });
+        }
+        if let Some((i, &value)) = rows.iter().enumerate().find(|(_, v)| !v.is_finite()) {
+            return Err(Error::NonFinite {
+                op,
+                what: "embeddings",
+                row: i / cfg.hidden_size,
+                column: i % cfg.hidden_size,
+                value,
             });
         }
         Ok(())

@@ -107,7 +107,8 @@ fn class_of(e: &Error) -> &'static str {
         Error::TokenOutOfRange { .. }
         | Error::EmptyInput { .. }
         | Error::ContextOverflow { .. }
-        | Error::ShapeMismatch { .. } => "java/lang/IllegalArgumentException",
+        | Error::ShapeMismatch { .. }
+        | Error::NonFinite { .. } => "java/lang/IllegalArgumentException",
         Error::StaleHandle { .. } | Error::Closed { .. } | Error::Poisoned { .. } => {
             "java/lang/IllegalStateException"
         }

@@ -1,6 +1,7 @@
 //! `ReferenceModel`: the Gemma 3 forward pass behind the `KvModel` contract.
 
 use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use kvsnap_contract::{argmax, check, Error, KvModel, Logits, ModelConfig, Next, Result};
 
@@ -15,6 +16,8 @@ pub struct ReferenceModel {
     embed_tokens: Tensor, // [vocab, hidden], also the tied LM head
     layers: Vec<DecoderLayer>,
     norm: RmsNorm, // [hidden]
+    /// Test hook: `1 + layer` after which the next forward pass fails, 0 when disarmed.
+    fault_after_layer: AtomicUsize,
 }
 
 impl ReferenceModel {
@@ -50,7 +53,22 @@ impl ReferenceModel {
             embed_tokens,
             layers,
             norm,
+            fault_after_layer: AtomicUsize::new(0),
         })
+    }
+
+    /// Test-only fault injection: the next forward pass (of any operation, on any thread) fails
+    /// with [`Error::Backend`] right after decoder layer `layer` has written its K/V rows, i.e.
+    /// midway through an update of the KV state. One-shot: the pass that takes the fault disarms
+    /// it, whether or not it has that many layers. `None` disarms.
+    ///
+    /// An always-present atomic (one swap per forward pass) rather than a cargo feature, so the
+    /// workspace does not build this crate twice. kvsnap-reliability uses it to test that a
+    /// mid-operation failure poisons the state (see `docs/RELIABILITY.md`).
+    #[doc(hidden)]
+    pub fn set_fault_after_layer(&self, layer: Option<usize>) {
+        self.fault_after_layer
+            .store(layer.map_or(0, |l| l + 1), Ordering::SeqCst);
     }
 
     /// Raw (unscaled) embedding rows of `ids`: what a host gathers for `prefill_embeddings`.
@@ -71,15 +89,30 @@ impl ReferenceModel {
     ///
     /// # Shapes
     /// `rows`: `[n, hidden]`, unscaled.
-    fn forward(&self, kv: &mut ReferenceKv, mut x: Vec<f32>, logits: Logits) -> Next {
+    ///
+    /// # Errors
+    /// Only an injected fault ([`ReferenceModel::set_fault_after_layer`]); it leaves `kv` half
+    /// updated, which the handle table turns into a poisoned state.
+    fn forward(&self, kv: &mut ReferenceKv, mut x: Vec<f32>, logits: Logits) -> Result<Next> {
+        let fault = self
+            .fault_after_layer
+            .swap(0, Ordering::SeqCst)
+            .checked_sub(1);
         let scale = self.cfg.embed_scale();
         x.iter_mut().for_each(|v| *v *= scale);
         let pos0 = kv.len;
-        for (layer, layer_kv) in self.layers.iter().zip(&mut kv.layers) {
+        for (i, (layer, layer_kv)) in self.layers.iter().zip(&mut kv.layers).enumerate() {
             layer.forward(&mut x, pos0, layer_kv);
+            if fault == Some(i) {
+                return Err(Error::Backend {
+                    backend: "reference",
+                    op: "forward".into(),
+                    status: format!("injected fault after layer {i} (test hook)"),
+                });
+            }
         }
         kv.len += x.len() / self.cfg.hidden_size;
-        self.head(&x[x.len() - self.cfg.hidden_size..], logits)
+        Ok(self.head(&x[x.len() - self.cfg.hidden_size..], logits))
     }
 
     /// Final norm and tied LM head of one position.
@@ -120,7 +153,7 @@ impl KvModel for ReferenceModel {
         check::tokens(&self.cfg, "prefill", 0, ids)?;
         let rows = self.embedding_rows(ids)?;
         let mut kv = ReferenceKv::new(&self.cfg);
-        let next = self.forward(&mut kv, rows, logits);
+        let next = self.forward(&mut kv, rows, logits)?;
         Ok((kv, next))
     }
 
@@ -133,20 +166,20 @@ impl KvModel for ReferenceModel {
         check::tokens(&self.cfg, "prefill_embeddings", 0, ids)?;
         check::embeddings(&self.cfg, "prefill_embeddings", ids.len(), embeddings)?;
         let mut kv = ReferenceKv::new(&self.cfg);
-        let next = self.forward(&mut kv, embeddings.to_vec(), logits);
+        let next = self.forward(&mut kv, embeddings.to_vec(), logits)?;
         Ok((kv, next))
     }
 
     fn extend(&self, kv: &mut ReferenceKv, ids: &[u32], logits: Logits) -> Result<Next> {
         check::tokens(&self.cfg, "extend", kv.len, ids)?;
         let rows = self.embedding_rows(ids)?;
-        Ok(self.forward(kv, rows, logits))
+        self.forward(kv, rows, logits)
     }
 
     fn step(&self, kv: &mut ReferenceKv, id: u32, logits: Logits) -> Result<Next> {
         check::tokens(&self.cfg, "step", kv.len, &[id])?;
         let rows = self.embedding_rows(&[id])?;
-        Ok(self.forward(kv, rows, logits))
+        self.forward(kv, rows, logits)
     }
 
     fn snapshot(&self, kv: &ReferenceKv) -> Result<ReferenceKv> {
