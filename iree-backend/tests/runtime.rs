@@ -566,3 +566,60 @@ fn thread_safety_contract() {
         }
     });
 }
+
+#[test]
+fn compile_errors_carry_the_compiler_text_and_versions_are_checked() {
+    let dir = std::env::temp_dir().join(format!("kvsnap-compile-test-{}", std::process::id()));
+    let c = compiler().clone().with_cache_dir(&dir);
+
+    // Invalid MLIR: the error names the target and carries iree-compile's diagnostic.
+    let bad =
+        "func.func @f(%a: tensor<4xf32>) -> tensor<4xf32> {\n  %0 = stablehlo.nonsense %a\n}\n";
+    let (op, status) = backend_text(c.compile(bad, Target::LlvmCpu, &mut |_| {}).unwrap_err());
+    assert!(op.contains("llvm-cpu"), "{op}");
+    assert!(status.contains("error"), "{status}");
+    eprintln!("iree-compile on bad MLIR: {status}");
+
+    // A second compile of the same text is a cache hit with identical bytes.
+    let mut events = Vec::new();
+    let first = c
+        .compile(ADD, Target::LlvmCpu, &mut |p| events.push(p.to_string()))
+        .unwrap();
+    let second = c
+        .compile(ADD, Target::LlvmCpu, &mut |p| events.push(p.to_string()))
+        .unwrap();
+    assert!(!first.cache_hit && second.cache_hit);
+    assert_eq!(first.vmfb, second.vmfb);
+    assert!(
+        events[0].starts_with("compiling 1 KB of MLIR for llvm-cpu"),
+        "{events:?}"
+    );
+    assert_ne!(
+        c.cache_key(ADD, Target::LlvmCpu),
+        c.cache_key(ADD, Target::VulkanSpirv)
+    );
+
+    // A compiler of another version is refused with a message saying what to install.
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let fake = dir.join("iree-compile-3.11");
+        std::fs::write(
+            &fake,
+            "#!/bin/sh\necho 'IREE (https://iree.dev):'\necho '  IREE compiler version 3.11.0 @ abc'\n",
+        )
+        .unwrap();
+        std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
+        // Retried: another test thread forking while the script was open for writing can make the
+        // first exec fail with "Text file busy".
+        let status = (0..5)
+            .map(|_| backend_text(Compiler::with_executable(&fake).unwrap_err()).1)
+            .find(|s| !s.contains("Text file busy"))
+            .unwrap();
+        assert!(
+            status.contains("3.11.0") && status.contains("iree-base-compiler==3.13.0"),
+            "{status}"
+        );
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
