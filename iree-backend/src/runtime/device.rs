@@ -39,9 +39,11 @@ impl DeviceKind {
 
 /// Aggregate statistics of a device allocator (`iree_hal_allocator_query_statistics`).
 ///
-/// Counts only buffers allocated through the device allocator (uploads, [`super::BufferView`]
-/// allocations and copies); buffers a module allocates on the queue and imported host memory are
-/// outside it. Use [`Device::live_buffer_views`] for a count that covers every buffer view.
+/// On the CPU device every allocation and free through the device allocator is counted, so
+/// [`AllocatorStats::live_bytes`] shows leaks. IREE 3.13's Vulkan allocator records pooled
+/// allocations but not their frees, so there only the `*_allocated` totals mean anything (see
+/// docs/IREE.md). Imported host memory is never counted. [`Device::live_buffer_views`] counts every
+/// buffer view on any device.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct AllocatorStats {
     /// Highest host-local bytes ever live at once.
