@@ -12,3 +12,30 @@ kvsnap_parity::backend_props!(
     ReferenceModel,
     ReferenceModel::load_with_capacity
 );
+
+/// A hand-written script through the same helper a shrunk failure prints: a fork, both sides
+/// past the 6-token window, one side filled to the capacity (40) and refused past it, a double
+/// release.
+#[test]
+fn replay_fork_window_capacity_and_double_release() {
+    use kvsnap_parity::props::Op;
+    reference::replay(&[
+        Op::Prefill {
+            ids: vec![2, 17, 300, 5, 9],
+        },
+        Op::Snapshot { h: 0 },
+        Op::Extend {
+            h: 0,
+            ids: vec![1, 2, 3, 4, 5, 6, 7],
+        },
+        Op::Extend {
+            h: 1,
+            ids: (100..134).collect(),
+        },
+        Op::Step { h: 1, id: 7 },
+        Op::Step { h: 0, id: 511 },
+        Op::Release { h: 0 },
+        Op::Release { h: 0 },
+        Op::Extend { h: 0, ids: vec![1] },
+    ]);
+}

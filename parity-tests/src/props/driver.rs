@@ -1,9 +1,11 @@
 //! The driver: runs a script on a backend, keeps the expected state of every slot, and checks
 //! every result against its ground truths.
 //!
-//! The KV states live in the driver's handle table (`Vec<Option<Slot>>`): a released slot stays
-//! `None`, and an op on it gets [`Error::StaleHandle`] from the driver without reaching the
-//! backend (owned `Kv` values make that a compile error in Rust; FFI layers map it the same way).
+//! The KV states live in the contract's [`HandleTable`], as they do behind JNI: ops name slots
+//! (the handles issued so far, in order), a released slot keeps its handle, and an op on it must
+//! get [`Error::StaleHandle`] ("released") from the table without reaching the backend; an op
+//! before the first handle uses the zero handle. After every op the table must hold exactly the
+//! live slots.
 //!
 //! Each slot's model is its token history and the chunks (prefill, extend, step) that built it,
 //! inherited through snapshots. After every op that produced a result, the result is checked:
@@ -19,7 +21,8 @@
 //! fields), and must change no slot: every op is followed by a length check of every live slot,
 //! and the script ends with a probe step on every live slot, checked like any other op.
 
-use kvsnap_contract::{Error, KvModel, Logits, Next, Tolerance};
+use kvsnap_contract::handles::reason;
+use kvsnap_contract::{Error, HandleTable, KvModel, Logits, Next, Tolerance};
 use kvsnap_reference::ReferenceModel;
 
 use super::compare::{against_golden, bit_exact, well_formed, within_tolerance, Divergence};
@@ -116,9 +119,9 @@ enum Chunk {
     Step(u32),
 }
 
-/// A live KV state and what the driver expects of it.
-struct Slot<K> {
-    kv: K,
+/// What the driver expects of a live KV state.
+#[derive(Clone)]
+struct Expected {
     /// Every token the state has seen.
     history: Vec<u32>,
     /// How the history reached the backend, fork ancestors included.
@@ -127,10 +130,19 @@ struct Slot<K> {
     forked: bool,
 }
 
+/// A handle the table issued, and the driver's model of its state (`None` once released).
+struct Slot {
+    handle: u64,
+    state: Option<Expected>,
+}
+
 /// Runs scripts on one backend; see the module docs for what it checks.
 pub struct Driver<'a, M: KvModel> {
     truths: &'a Truths<'a, M>,
-    slots: Vec<Option<Slot<M::Kv>>>,
+    /// The KV states, behind the contract's handles.
+    table: HandleTable<M::Kv>,
+    /// Every handle issued, in order: what `Op` slot numbers name.
+    slots: Vec<Slot>,
     stats: Stats,
 }
 
@@ -141,11 +153,20 @@ struct At<'o> {
     label: Option<&'static str>,
 }
 
+/// A slot an op names: its index (none before the first handle), its handle, and the
+/// stale-handle reason the table must give when it is not live.
+struct Target {
+    slot: Option<usize>,
+    handle: u64,
+    stale: Option<&'static str>,
+}
+
 impl<'a, M: KvModel> Driver<'a, M> {
     /// A driver with an empty handle table.
     pub fn new(truths: &'a Truths<'a, M>) -> Self {
         Driver {
             truths,
+            table: HandleTable::new(),
             slots: Vec::new(),
             stats: Stats::default(),
         }
@@ -189,25 +210,26 @@ impl<'a, M: KvModel> Driver<'a, M> {
         }
     }
 
-    /// Resolves `h` to a slot index: `Ok` when live, `Err` with the stale-handle error
-    /// otherwise.
-    fn resolve(&self, op: &'static str, h: usize) -> Result<usize, Error> {
+    /// The slot `h` names: `h` modulo the handles issued so far; before the first one, the
+    /// zero handle.
+    fn target(&self, h: usize) -> Target {
         if self.slots.is_empty() {
-            return Err(Error::StaleHandle {
-                op,
-                handle: h as u64,
-                reason: "never issued",
-            });
+            return Target {
+                slot: None,
+                handle: 0,
+                stale: Some(reason::ZERO),
+            };
         }
         let s = h % self.slots.len();
-        match self.slots[s] {
-            Some(_) => Ok(s),
-            None => Err(Error::StaleHandle {
-                op,
-                handle: s as u64,
-                reason: "released",
-            }),
+        Target {
+            slot: Some(s),
+            handle: self.slots[s].handle,
+            stale: self.slots[s].state.is_none().then_some(reason::RELEASED),
         }
+    }
+
+    fn expected(&self, s: usize) -> &Expected {
+        self.slots[s].state.as_ref().expect("a live slot")
     }
 
     fn apply(&mut self, at: &At<'_>) -> Checked {
@@ -236,20 +258,26 @@ impl<'a, M: KvModel> Driver<'a, M> {
             Op::Extend { h, ids } => self.append(at, *h, ids, Chunk::Extend(ids.clone())),
             Op::Step { h, id } => self.append(at, *h, &[*id], Chunk::Step(*id)),
             Op::Snapshot { h } => {
-                let s = match self.resolve("snapshot", *h) {
-                    Ok(s) => s,
-                    Err(stale) => return self.stale(stale),
-                };
-                let live = self.slots[s].as_ref().expect("resolved slots are live");
-                match model.snapshot(&live.kv) {
-                    Ok(kv) => {
-                        let copy = Slot {
-                            kv,
-                            history: live.history.clone(),
-                            chunks: live.chunks.clone(),
+                let t = self.target(*h);
+                let got = self
+                    .table
+                    .with_ref("snapshot", t.handle, |kv| model.snapshot(kv));
+                if let Some(reason) = t.stale {
+                    let want = [stale(t.handle, reason)];
+                    return self.check_error(at, t.slot, &want, got.map(|_| None));
+                }
+                let s = t.slot.expect("a live slot");
+                let inserted = got.and_then(|kv| self.table.insert("snapshot", kv));
+                match inserted {
+                    Ok(handle) => {
+                        let copy = Expected {
                             forked: true,
+                            ..self.expected(s).clone()
                         };
-                        self.slots.push(Some(copy));
+                        self.slots.push(Slot {
+                            handle,
+                            state: Some(copy),
+                        });
                         self.stats.snapshots += 1;
                         Ok(())
                     }
@@ -260,24 +288,21 @@ impl<'a, M: KvModel> Driver<'a, M> {
                 }
             }
             Op::Release { h } => {
-                let s = match self.resolve("release", *h) {
-                    Ok(s) => s,
-                    Err(stale) => return self.stale(stale),
-                };
-                let slot = self.slots[s].take().expect("resolved slots are live");
-                model.release(slot.kv).map_err(|e| {
+                let t = self.target(*h);
+                let got = self.table.remove("release", t.handle);
+                if let Some(reason) = t.stale {
+                    let want = [stale(t.handle, reason)];
+                    return self.check_error(at, t.slot, &want, got.map(|_| None));
+                }
+                let s = t.slot.expect("a live slot");
+                self.slots[s].state = None;
+                got.and_then(|kv| model.release(kv)).map_err(|e| {
                     self.diverged(at, Some(s), None)
                         .truth("the contract (release of a live state succeeds)")
                         .detail(format!("release failed: {e}"))
                 })
             }
         }
-    }
-
-    /// Counts a stale-handle error the driver's table produced.
-    fn stale(&mut self, e: Error) -> Checked {
-        self.stats.count_error(e.kind());
-        Ok(())
     }
 
     /// Raw embedding rows of `ids` (zeros for out-of-range ids) with `delta` floats added or
@@ -324,22 +349,22 @@ impl<'a, M: KvModel> Driver<'a, M> {
         errors
     }
 
-    /// Checks an error against the allowed ones (kind and structured fields).
+    /// Checks an error against the allowed ones (kind and structured fields); `got` is `Ok`
+    /// with the token, if the op returns one, when the backend accepted the op.
     fn check_error(
         &mut self,
         at: &At<'_>,
         slot: Option<usize>,
         want: &[Error],
-        got: Result<Next, Error>,
+        got: Result<Option<u32>, Error>,
     ) -> Checked {
         let kinds: Vec<&str> = want.iter().map(Error::kind).collect();
         match got {
-            Ok(next) => Err(self
+            Ok(token) => Err(self
                 .diverged(at, slot, None)
-                .truth("the contract's input checks")
+                .truth("the contract's input and handle checks")
                 .detail(format!(
-                    "expected an error of kind {kinds:?}, got Ok(token {})",
-                    next.token
+                    "expected an error of kind {kinds:?}, got Ok (token {token:?})"
                 ))),
             Err(e) if want.iter().any(|w| same_error(&e, w)) => {
                 self.stats.count_error(e.kind());
@@ -347,7 +372,7 @@ impl<'a, M: KvModel> Driver<'a, M> {
             }
             Err(e) => Err(self
                 .diverged(at, slot, None)
-                .truth("the contract's input checks")
+                .truth("the contract's input and handle checks")
                 .detail(format!(
                     "expected an error of kind {kinds:?} ({want:?}), got {} ({e})",
                     e.kind()
@@ -363,20 +388,23 @@ impl<'a, M: KvModel> Driver<'a, M> {
         chunk: Chunk,
     ) -> Checked {
         if !want.is_empty() {
-            return self.check_error(at, None, &want, got.map(|(_, next)| next));
+            return self.check_error(at, None, &want, got.map(|(_, next)| Some(next.token)));
         }
-        match got {
-            Ok((kv, next)) => {
+        let op = at.op.name();
+        match got.and_then(|(kv, next)| Ok((self.table.insert(op, kv)?, next))) {
+            Ok((handle, next)) => {
                 let ids = match &chunk {
                     Chunk::Prefill(ids) | Chunk::PrefillEmbeddings(ids) => ids.clone(),
                     _ => unreachable!("a new slot starts with a prefill"),
                 };
-                self.slots.push(Some(Slot {
-                    kv,
-                    history: ids,
-                    chunks: vec![chunk],
-                    forked: false,
-                }));
+                self.slots.push(Slot {
+                    handle,
+                    state: Some(Expected {
+                        history: ids,
+                        chunks: vec![chunk],
+                        forked: false,
+                    }),
+                });
                 self.check_result(at, self.slots.len() - 1, &next)
             }
             Err(e) => Err(self
@@ -388,26 +416,27 @@ impl<'a, M: KvModel> Driver<'a, M> {
 
     fn append(&mut self, at: &At<'_>, h: usize, ids: &[u32], chunk: Chunk) -> Checked {
         let op = at.op.name();
-        let s = match self.resolve(op, h) {
-            Ok(s) => s,
-            Err(stale) => return self.stale(stale),
-        };
-        let have = self.slots[s].as_ref().expect("live").history.len();
-        let want = self.input_errors(have, ids);
         let model = self.truths.model;
-        let slot = self.slots[s].as_mut().expect("live");
-        let got = match chunk {
-            Chunk::Step(id) => model.step(&mut slot.kv, id, Logits::Return),
-            _ => model.extend(&mut slot.kv, ids, Logits::Return),
-        };
+        let t = self.target(h);
+        let got = self.table.with_mut(op, t.handle, |kv| match chunk {
+            Chunk::Step(id) => model.step(kv, id, Logits::Return),
+            _ => model.extend(kv, ids, Logits::Return),
+        });
+        if let Some(reason) = t.stale {
+            let want = [stale(t.handle, reason)];
+            return self.check_error(at, t.slot, &want, got.map(|next| Some(next.token)));
+        }
+        let s = t.slot.expect("a live slot");
+        let have = self.expected(s).history.len();
+        let want = self.input_errors(have, ids);
         if !want.is_empty() {
-            return self.check_error(at, Some(s), &want, got);
+            return self.check_error(at, Some(s), &want, got.map(|next| Some(next.token)));
         }
         match got {
             Ok(next) => {
-                let slot = self.slots[s].as_mut().expect("live");
-                slot.history.extend_from_slice(ids);
-                slot.chunks.push(chunk);
+                let state = self.slots[s].state.as_mut().expect("a live slot");
+                state.history.extend_from_slice(ids);
+                state.chunks.push(chunk);
                 self.check_result(at, s, &next)
             }
             Err(e) => Err(self
@@ -421,7 +450,7 @@ impl<'a, M: KvModel> Driver<'a, M> {
     fn check_result(&mut self, at: &At<'_>, s: usize, next: &Next) -> Checked {
         let t = self.truths;
         let cfg = t.model.config();
-        let slot = self.slots[s].as_ref().expect("live");
+        let slot = self.expected(s);
         let n = slot.history.len();
         let pos = Some(n - 1);
         let fail = |truth: &str, detail: String| {
@@ -429,14 +458,13 @@ impl<'a, M: KvModel> Driver<'a, M> {
         };
 
         well_formed(next, cfg.vocab_size).map_err(|d| fail("the contract", d))?;
-        let len = t.model.len(&slot.kv);
-        if len != n {
+        let len = self.len_of(s);
+        if len != Ok(n) {
             return Err(fail(
                 "the contract",
-                format!("len() is {len}, the history has {n} tokens"),
+                format!("len() is {len:?}, the history has {n} tokens"),
             ));
         }
-
         let replayed = self.replay(&slot.chunks).map_err(|e| {
             fail(
                 "a replay of the slot's chunks on a fresh state",
@@ -512,9 +540,10 @@ impl<'a, M: KvModel> Driver<'a, M> {
             }
         }
 
+        let forked = slot.forked;
         let st = &mut self.stats;
         st.valid_ops += 1;
-        st.after_snapshot += slot.forked as usize;
+        st.after_snapshot += forked as usize;
         st.past_window += (n > cfg.sliding_window) as usize;
         st.at_capacity += (n == cfg.context_capacity) as usize;
         st.max_d_one_shot = st.max_d_one_shot.max(max_d_one_shot);
@@ -548,32 +577,51 @@ impl<'a, M: KvModel> Driver<'a, M> {
         Ok(next)
     }
 
-    /// After every op: every live slot still holds exactly its history's length.
+    /// `len()` of the state in live slot `s`, through the table.
+    fn len_of(&self, s: usize) -> Result<usize, String> {
+        let model = self.truths.model;
+        self.table
+            .with_ref("len", self.slots[s].handle, |kv| Ok(model.len(kv)))
+            .map_err(|e| e.to_string())
+    }
+
+    /// After every op: the table holds exactly the live slots, each with its history's length.
     fn check_lengths(&self, at: &At<'_>) -> Checked {
+        let live = self.slots.iter().filter(|s| s.state.is_some()).count();
+        if self.table.live() != live {
+            return Err(self
+                .diverged(at, None, None)
+                .truth("the driver's model of the handle table")
+                .detail(format!(
+                    "{} live handles after this op, the driver expects {live}",
+                    self.table.live()
+                )));
+        }
         for (s, slot) in self.slots.iter().enumerate() {
-            if let Some(slot) = slot {
-                let len = self.truths.model.len(&slot.kv);
-                if len != slot.history.len() {
-                    return Err(self
-                        .diverged(at, Some(s), None)
-                        .truth("the driver's model of every live slot")
-                        .detail(format!(
-                            "len() of slot {s} is {len} after this op, its history has {}",
-                            slot.history.len()
-                        )));
-                }
+            let Some(state) = &slot.state else { continue };
+            let len = self.len_of(s);
+            if len != Ok(state.history.len()) {
+                return Err(self
+                    .diverged(at, Some(s), None)
+                    .truth("the driver's model of every live slot")
+                    .detail(format!(
+                        "len() of slot {s} is {len:?} after this op, its history has {}",
+                        state.history.len()
+                    )));
             }
         }
         Ok(())
     }
 
     /// Probes every live slot with one more step (so a slot an earlier op damaged shows it even
-    /// if the script never used it again), then releases them all.
+    /// if the script never used it again), then closes the table and releases every state.
     fn close(&mut self) -> Checked {
-        let vocab = self.cfg().vocab_size as u32;
+        let vocab = self.cfg().vocab_size as u64;
         for s in 0..self.slots.len() {
-            let Some(slot) = &self.slots[s] else { continue };
-            let id = ((slot.history.len() as u64 * 7919 + 3) % vocab as u64) as u32;
+            let Some(state) = &self.slots[s].state else {
+                continue;
+            };
+            let id = ((state.history.len() as u64 * 7919 + 3) % vocab) as u32;
             let probe = Op::Step { h: s, id };
             let at = At {
                 index: None,
@@ -582,23 +630,41 @@ impl<'a, M: KvModel> Driver<'a, M> {
             };
             self.apply(&at)?;
         }
-        for s in 0..self.slots.len() {
-            if let Some(slot) = self.slots[s].take() {
-                if let Err(e) = self.truths.model.release(slot.kv) {
-                    let op = Op::Release { h: s };
-                    let at = At {
-                        index: None,
-                        op: &op,
-                        label: Some("closing release"),
-                    };
-                    return Err(self
-                        .diverged(&at, Some(s), None)
-                        .truth("the contract (release of a live state succeeds)")
-                        .detail(format!("release failed: {e}")));
-                }
+        let close = Op::Release { h: 0 };
+        let at = At {
+            index: None,
+            op: &close,
+            label: Some("closing the table, then releasing every state"),
+        };
+        let states = self.table.close();
+        let live = self.slots.iter().filter(|s| s.state.is_some()).count();
+        if states.len() != live {
+            return Err(self
+                .diverged(&at, None, None)
+                .truth("the driver's model of the handle table")
+                .detail(format!(
+                    "closing returned {} states, the driver expects {live}",
+                    states.len()
+                )));
+        }
+        for kv in states {
+            if let Err(e) = self.truths.model.release(kv) {
+                return Err(self
+                    .diverged(&at, None, None)
+                    .truth("the contract (release of a live state succeeds)")
+                    .detail(format!("release failed: {e}")));
             }
         }
         Ok(())
+    }
+}
+
+/// The error the handle table gives for `handle`.
+fn stale(handle: u64, reason: &'static str) -> Error {
+    Error::StaleHandle {
+        op: "",
+        handle,
+        reason,
     }
 }
 
@@ -661,6 +727,14 @@ fn same_error(got: &Error, want: &Error) -> bool {
                 ..
             },
         ) => (what, expected) == (w, e),
+        (
+            StaleHandle { handle, reason, .. },
+            StaleHandle {
+                handle: h,
+                reason: r,
+                ..
+            },
+        ) => (handle, reason) == (h, r),
         _ => false,
     }
 }
