@@ -22,6 +22,10 @@ enum Command {
     Parity(commands::parity::Args),
     /// The catalog demo: prefill the prefix once, then serve turns from its snapshot.
     Demo(commands::demo::Args),
+    /// Turn utterances into function calls against a catalog whose prefix is prefilled once.
+    Call(commands::call::Args),
+    /// `call` over utterances read from stdin, one per line.
+    Chat(commands::chat::Args),
     /// Performance scenarios (catalog, scaling, limits) measured against this machine's limits.
     Bench(commands::bench::Args),
 }
@@ -34,6 +38,8 @@ fn main() -> std::process::ExitCode {
         Command::Parity(args) => commands::parity::run(args),
         Command::Demo(args) => commands::demo::run(args),
         Command::Bench(args) => commands::bench::run(args),
+        Command::Call(args) => commands::call::run(args),
+        Command::Chat(args) => commands::chat::run(args),
     };
     match result {
         Ok(code) => code,

@@ -16,7 +16,7 @@ use kvsnap_contract::{Error as ModelError, KvModel, Logits};
 use crate::error::{Error, Result};
 
 /// Tokens per prefill call when a prefix is computed, so progress can be reported.
-pub const DEFAULT_CHUNK: usize = 128;
+pub const DEFAULT_CHUNK: usize = 256;
 
 /// How a prefix was found.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -41,6 +41,12 @@ impl<'m, M: KvModel> ToolCaller<'m, M> {
         }
     }
 
+    /// Computes uncached prefixes `chunk` tokens per model call (progress is reported per chunk).
+    pub fn with_prefill_chunk(mut self, chunk: usize) -> Self {
+        self.cache = self.cache.with_chunk(chunk);
+        self
+    }
+
     /// The prefix cache.
     pub fn cache(&self) -> &PrefixCache<'m, M> {
         &self.cache

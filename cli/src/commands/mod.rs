@@ -2,6 +2,8 @@
 
 pub mod backend;
 pub mod bench;
+pub mod call;
+pub mod chat;
 pub mod demo;
 pub mod fetch;
 pub mod parity;
