@@ -41,6 +41,8 @@ pub enum Scenario {
     Scaling,
     /// Read bandwidth and SGEMM rate of this machine.
     Limits,
+    /// No measurement: draw the scaling runs of `--plot-with` into `--plot`.
+    Plot,
 }
 
 impl Scenario {
@@ -50,6 +52,7 @@ impl Scenario {
             Scenario::Catalog => "catalog",
             Scenario::Scaling => "scaling",
             Scenario::Limits => "limits",
+            Scenario::Plot => "plot",
         }
     }
 }
@@ -107,8 +110,21 @@ pub struct Args {
 
 /// Runs the chosen scenario.
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
-    if args.scenario != Scenario::Scaling && (args.plot.is_some() || !args.plot_with.is_empty()) {
-        bail!("--plot draws the scaling table: use it with `kvsnap bench scaling`");
+    let plots = matches!(args.scenario, Scenario::Scaling | Scenario::Plot);
+    if !plots && (args.plot.is_some() || !args.plot_with.is_empty()) {
+        bail!("--plot draws the scaling table: use it with `kvsnap bench scaling` or `plot`");
+    }
+    if args.scenario == Scenario::Plot {
+        let path = args
+            .plot
+            .as_ref()
+            .context("`kvsnap bench plot` needs --plot FILE")?;
+        if args.plot_with.is_empty() {
+            bail!("`kvsnap bench plot` needs at least one --plot-with scaling JSON");
+        }
+        plot::scaling_svg(path, &read_runs(&args.plot_with)?)?;
+        eprintln!("wrote {}", path.display());
+        return Ok(ExitCode::SUCCESS);
     }
     let load_before = load_average();
     let mut out = match args.scenario {
@@ -117,6 +133,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             print_limits(&limits);
             limits.json()
         }
+        Scenario::Plot => unreachable!("handled above"),
         Scenario::Catalog | Scenario::Scaling => {
             let workload = Workload::load(&args.goldens, &args.case)?;
             let t = Instant::now();
@@ -140,14 +157,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     }
     if let Some(path) = &args.plot {
         let mut runs = vec![out.clone()];
-        for other in &args.plot_with {
-            let text = std::fs::read_to_string(other)
-                .with_context(|| format!("reading {}", other.display()))?;
-            runs.push(
-                serde_json::from_str(&text)
-                    .with_context(|| format!("parsing {}", other.display()))?,
-            );
-        }
+        runs.extend(read_runs(&args.plot_with)?);
         plot::scaling_svg(path, &runs)?;
         eprintln!("wrote {}", path.display());
     }
@@ -185,7 +195,7 @@ fn run_model<M: KvModel>(model: &M, w: &Workload, args: &Args) -> anyhow::Result
             )?;
             (Measured::Scaling(run), peak_rss_bytes()?)
         }
-        Scenario::Limits => unreachable!("limits runs without a model"),
+        Scenario::Limits | Scenario::Plot => unreachable!("runs without a model"),
     };
     let cpu_share = cpu.share();
     let after = limits::measure(args.bandwidth_bytes, args.sgemm_n);
@@ -356,6 +366,18 @@ fn unix_time() -> u64 {
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_secs())
         .unwrap_or(0)
+}
+
+/// Reads the scaling JSON objects of earlier runs.
+fn read_runs(paths: &[PathBuf]) -> anyhow::Result<Vec<Value>> {
+    paths
+        .iter()
+        .map(|p| {
+            let text =
+                std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+            serde_json::from_str(&text).with_context(|| format!("parsing {}", p.display()))
+        })
+        .collect()
 }
 
 fn write_json(path: &Path, value: &Value) -> anyhow::Result<()> {

@@ -85,6 +85,7 @@ pub fn scaling_svg(path: &Path, runs: &[Value]) -> anyhow::Result<()> {
         .configure_mesh()
         .x_desc("sequence length (tokens)")
         .y_desc("seconds per step")
+        .light_line_style(WHITE)
         .x_label_formatter(&|x| format!("{x:.0}"))
         .y_label_formatter(&|y| format!("{y:.3}"))
         .draw()
