@@ -114,35 +114,16 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     if !plots && (args.plot.is_some() || !args.plot_with.is_empty()) {
         bail!("--plot draws the scaling table: use it with `kvsnap bench scaling` or `plot`");
     }
-    if args.scenario == Scenario::Plot {
-        let path = args
-            .plot
-            .as_ref()
-            .context("`kvsnap bench plot` needs --plot FILE")?;
-        if args.plot_with.is_empty() {
-            bail!("`kvsnap bench plot` needs at least one --plot-with scaling JSON");
-        }
-        plot::scaling_svg(path, &read_runs(&args.plot_with)?)?;
-        eprintln!("wrote {}", path.display());
-        return Ok(ExitCode::SUCCESS);
-    }
     let load_before = load_average();
     let mut out = match args.scenario {
+        Scenario::Plot => return plot_only(&args),
         Scenario::Limits => {
             let limits = limits::measure(args.bandwidth_bytes, args.sgemm_n);
             print_limits(&limits);
             limits.json()
         }
-        Scenario::Plot => unreachable!("handled above"),
-        Scenario::Catalog | Scenario::Scaling => {
-            let workload = Workload::load(&args.goldens, &args.case)?;
-            let t = Instant::now();
-            eprintln!("loading {} on {} ...", args.model.display(), args.backend);
-            with_model!(args.backend, &args.model, |m| {
-                eprintln!("loaded in {:.2} s", t.elapsed().as_secs_f64());
-                run_model(m, &workload, &args)?
-            })
-        }
+        Scenario::Catalog => load_and_run(&args, ModelScenario::Catalog)?,
+        Scenario::Scaling => load_and_run(&args, ModelScenario::Scaling)?,
     };
     let fields = out.as_object_mut().context("results are a JSON object")?;
     fields.insert("scenario".into(), json!(args.scenario.name()));
@@ -164,11 +145,48 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// `kvsnap bench plot`: draws earlier scaling runs, measures nothing.
+fn plot_only(args: &Args) -> anyhow::Result<ExitCode> {
+    let path = args
+        .plot
+        .as_ref()
+        .context("`kvsnap bench plot` needs --plot FILE")?;
+    if args.plot_with.is_empty() {
+        bail!("`kvsnap bench plot` needs at least one --plot-with scaling JSON");
+    }
+    plot::scaling_svg(path, &read_runs(&args.plot_with)?)?;
+    eprintln!("wrote {}", path.display());
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The scenarios that run a model.
+#[derive(Clone, Copy)]
+enum ModelScenario {
+    Catalog,
+    Scaling,
+}
+
+/// Loads the workload and the backend, then runs `scenario` on it.
+fn load_and_run(args: &Args, scenario: ModelScenario) -> anyhow::Result<Value> {
+    let workload = Workload::load(&args.goldens, &args.case)?;
+    let t = Instant::now();
+    eprintln!("loading {} on {} ...", args.model.display(), args.backend);
+    Ok(with_model!(args.backend, &args.model, |m| {
+        eprintln!("loaded in {:.2} s", t.elapsed().as_secs_f64());
+        run_model(m, &workload, args, scenario)?
+    }))
+}
+
 /// Runs a model scenario on `model`, with the limits measured before and after it (the best of
 /// the two is kept: the machine is shared, and a limit is the best it can do). The peak RSS is
 /// reset after the first measurement so that it is the scenario's own, not the bandwidth
 /// buffer's.
-fn run_model<M: KvModel>(model: &M, w: &Workload, args: &Args) -> anyhow::Result<Value> {
+fn run_model<M: KvModel>(
+    model: &M,
+    w: &Workload,
+    args: &Args,
+    scenario: ModelScenario,
+) -> anyhow::Result<Value> {
     let cost = CostModel::new(model.config());
     let before = limits::measure(args.bandwidth_bytes, args.sgemm_n);
     let rss_reset = reset_peak_rss();
@@ -176,13 +194,13 @@ fn run_model<M: KvModel>(model: &M, w: &Workload, args: &Args) -> anyhow::Result
         eprintln!("warning: could not reset the peak RSS; it includes the bandwidth buffer");
     }
     let cpu = CpuClock::start();
-    let (report, peak_rss) = match args.scenario {
-        Scenario::Catalog => {
+    let (report, peak_rss) = match scenario {
+        ModelScenario::Catalog => {
             let turns = args.turns.unwrap_or(20);
             let run = catalog::measure(model, w, turns, args.steps, args.measure_stateless)?;
             (Measured::Catalog(run), peak_rss_bytes()?)
         }
-        Scenario::Scaling => {
+        ModelScenario::Scaling => {
             let turns = args.turns.unwrap_or(5);
             let run = scaling::measure(
                 model,
@@ -195,7 +213,6 @@ fn run_model<M: KvModel>(model: &M, w: &Workload, args: &Args) -> anyhow::Result
             )?;
             (Measured::Scaling(run), peak_rss_bytes()?)
         }
-        Scenario::Limits | Scenario::Plot => unreachable!("runs without a model"),
     };
     let cpu_share = cpu.share();
     let after = limits::measure(args.bandwidth_bytes, args.sgemm_n);
