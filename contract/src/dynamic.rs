@@ -84,38 +84,42 @@ pub struct Session<M: KvModel> {
 }
 
 /// Bytes of live KV states, reservations of operations in flight included, against a cap.
-struct Budget {
+#[derive(Default)]
+struct Budget(Mutex<Count>);
+
+#[derive(Default)]
+struct Count {
+    live: u64,
     cap: Option<u64>,
-    live: Mutex<u64>,
 }
 
 impl Budget {
-    fn live(&self) -> std::sync::MutexGuard<'_, u64> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Count> {
         // Only arithmetic runs under this lock, so a poisoned lock still holds a consistent count.
-        self.live.lock().unwrap_or_else(|p| p.into_inner())
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Counts `adding` bytes, or fails with [`Error::KvBudget`] when they do not fit.
     fn reserve(&self, op: &'static str, adding: u64) -> Result<()> {
-        let mut live = self.live();
-        if let Some(cap) = self.cap {
-            if live.saturating_add(adding) > cap {
+        let mut count = self.lock();
+        if let Some(cap) = count.cap {
+            if count.live.saturating_add(adding) > cap {
                 return Err(Error::KvBudget {
                     op,
-                    live: *live,
+                    live: count.live,
                     adding,
                     cap,
                 });
             }
         }
-        *live += adding;
+        count.live += adding;
         Ok(())
     }
 
     /// Replaces `counted` bytes by `actual` ones, whatever the cap (the memory exists).
     fn settle(&self, counted: u64, actual: u64) {
-        let mut live = self.live();
-        *live = (*live + actual).saturating_sub(counted);
+        let mut count = self.lock();
+        count.live = (count.live + actual).saturating_sub(counted);
     }
 }
 
@@ -130,28 +134,31 @@ impl<M: KvModel> Session<M> {
         Session {
             model,
             states: HandleTable::new(),
-            budget: Budget {
-                cap: None,
-                live: Mutex::new(0),
-            },
+            budget: Budget::default(),
         }
     }
 
     /// Caps the bytes of the live KV states at `cap`: an operation that would exceed it fails
     /// with [`Error::KvBudget`] and changes nothing.
-    pub fn with_kv_budget(mut self, cap: u64) -> Self {
-        self.budget.cap = Some(cap);
+    pub fn with_kv_budget(self, cap: u64) -> Self {
+        self.set_kv_budget(Some(cap));
         self
     }
 
-    /// The cap set by [`Session::with_kv_budget`], if any.
+    /// Changes the cap at run time (e.g. lowered under memory pressure); `None` removes it. A cap
+    /// below the live bytes frees nothing: it refuses growth until states are released.
+    pub fn set_kv_budget(&self, cap: Option<u64>) {
+        self.budget.lock().cap = cap;
+    }
+
+    /// The current cap, if any.
     pub fn kv_budget(&self) -> Option<u64> {
-        self.budget.cap
+        self.budget.lock().cap
     }
 
     /// Bytes of the live KV states (and of operations in flight).
     pub fn live_kv_bytes(&self) -> u64 {
-        *self.budget.live()
+        self.budget.lock().live
     }
 
     /// The wrapped model.
