@@ -24,7 +24,7 @@ use crate::weights::write_safetensors;
 
 /// Version of the importer's output. Bump it whenever the bytes `import` writes for the same GGUF
 /// could change, so that stamps written by older versions are recognised as stale.
-pub const IMPORTER_VERSION: u32 = 1;
+pub const IMPORTER_VERSION: u32 = 2;
 
 /// What [`import`] did.
 #[derive(Clone, Debug)]
