@@ -5,6 +5,11 @@
 //! A failing property prints its shrunk script as a `#[test]` calling `<backend>::replay`:
 //! paste it below to keep it as a regression test.
 
+use std::path::Path;
+
+use kvsnap_contract::{Error, Result};
+use kvsnap_iree::compile::{Compiler, Target};
+use kvsnap_iree::{IreeModel, IreeOptions};
 use kvsnap_reference::ReferenceModel;
 
 kvsnap_parity::backend_props!(
@@ -12,6 +17,29 @@ kvsnap_parity::backend_props!(
     ReferenceModel,
     ReferenceModel::load_with_capacity
 );
+kvsnap_parity::backend_props!(iree_cpu, IreeModel, |dir, cap| load_iree(
+    dir,
+    cap,
+    Target::LlvmCpu
+));
+
+/// `IreeModel` on `target` with `capacity`; `Unsupported` (the tests skip) without a 3.13
+/// `iree-compile` or, for Vulkan, without a device.
+fn load_iree(dir: &Path, capacity: usize, target: Target) -> Result<IreeModel> {
+    if let Err(e) = Compiler::discover() {
+        eprintln!("iree-compile: {e}");
+        return Err(Error::Unsupported {
+            backend: "iree",
+            op: "compiling graphs (no iree-compile 3.13: scripts/setup-iree.sh)",
+        });
+    }
+    let opts = IreeOptions {
+        target,
+        capacity: Some(capacity),
+        ..IreeOptions::cpu()
+    };
+    IreeModel::load(dir, &opts)
+}
 
 /// A hand-written script through the same helper a shrunk failure prints: a fork, both sides
 /// past the 6-token window, one side filled to the capacity (40) and refused past it, a double
