@@ -51,6 +51,8 @@ pub struct Stateless {
     pub kind: &'static str,
     /// The measured stateless step on the whole prompt.
     pub first_step_s: f64,
+    /// Stateless steps whose greedy token equals the stateful turn's, out of those run.
+    pub tokens_agree: (usize, usize),
 }
 
 /// Prefills the prefix, snapshots it and serves `turns` turns of `extend + steps`.
@@ -138,22 +140,26 @@ pub fn stateless_turn<M: KvModel>(
 ) -> anyhow::Result<Stateless> {
     let mut seq = prompt.to_vec();
     let mut times = Vec::new();
+    let mut agree = 0;
     // Extrapolation rests on one step, so it is timed twice and the faster run kept.
     let calls = if measure { tokens.len() } else { 2 };
-    for (i, &token) in tokens.iter().take(calls).enumerate() {
-        if !measure {
-            seq.truncate(prompt.len());
-        }
+    for i in 0..calls.min(tokens.len()) {
+        // Measured: step `i` runs the prompt and the `i` tokens produced before it.
+        // Extrapolated: both runs are the first step.
+        let produced = if measure { i } else { 0 };
+        seq.truncate(prompt.len());
+        seq.extend_from_slice(&tokens[..produced]);
         eprintln!(
             "stateless step {}/{calls} on {} tokens ...",
             i + 1,
             seq.len()
         );
         let t = Instant::now();
-        let (kv, _) = model.prefill(&seq, Logits::Skip)?;
+        let (kv, next) = model.prefill(&seq, Logits::Skip)?;
         times.push(t.elapsed().as_secs_f64());
         model.release(kv)?;
-        seq.push(token);
+        // Both contracts compute the same greedy continuation (near-ties aside).
+        agree += usize::from(next.token == tokens[produced]);
     }
     let first_step_s = if measure {
         times[0]
@@ -173,6 +179,7 @@ pub fn stateless_turn<M: KvModel>(
         turn_s,
         kind,
         first_step_s,
+        tokens_agree: (agree, times.len()),
     })
 }
 
@@ -287,6 +294,7 @@ impl Report {
             "stateless_turn_s": stateless.turn_s,
             "stateless_turn_kind": stateless.kind,
             "stateless_step_prompt_s": stateless.first_step_s,
+            "stateless_tokens_agree": [stateless.tokens_agree.0, stateless.tokens_agree.1],
             "stateless_ratio": stateless.turn_s / p50,
             "read_bandwidth_bps": limits.read_bandwidth_bps,
             "sgemm_flops": limits.sgemm_flops,
@@ -351,7 +359,12 @@ impl Report {
                 format!("stateless turn ({})", stateless.kind),
                 fmt_s(stateless.turn_s),
                 String::new(),
-                format!("{:.0}x p50", stateless.turn_s / p50),
+                format!(
+                    "{:.0}x p50 ({}/{} tokens agree)",
+                    stateless.turn_s / p50,
+                    stateless.tokens_agree.0,
+                    stateless.tokens_agree.1
+                ),
             ],
             [
                 "peak RSS".into(),
@@ -428,5 +441,52 @@ pub fn print_table<const N: usize>(header: &[&str; N], rows: &[[String; N]]) {
     line(header.to_vec());
     for row in rows {
         line(row.iter().map(String::as_str).collect());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvsnap_reference::tiny::{self, Preset};
+    use kvsnap_reference::ReferenceModel;
+
+    /// The tiny model (6-token window, so turns cross it) written once per test process.
+    fn tiny_model() -> ReferenceModel {
+        let dir = std::env::temp_dir().join(format!("kvsnap-bench-tiny-{}", std::process::id()));
+        tiny::write_model(&dir, Preset::Tiny, tiny::DEFAULT_SEED).unwrap();
+        let model = ReferenceModel::load(&dir).unwrap();
+        std::fs::remove_dir_all(&dir).ok();
+        model
+    }
+
+    /// Turns from one snapshot produce the same tokens, and so does the stateless redecode of
+    /// every step: the scenario times the same computation both ways.
+    #[test]
+    fn turns_and_stateless_redecode_agree_on_the_tiny_model() {
+        let model = tiny_model();
+        let w = Workload {
+            case: "synthetic".into(),
+            prefix: (1..12).collect(),
+            utterance: vec![105, 40, 41],
+            greedy: Vec::new(),
+        };
+        let served = serve(&model, &w, 3, 4).unwrap();
+        assert_eq!(served.turns.len(), 3);
+        assert!(served
+            .turns
+            .iter()
+            .all(|t| t.tokens.len() == 5 && t.step_s.len() == 4));
+        assert_eq!(served.kv_bytes, model.config().kv_bytes(w.prefix.len()));
+
+        let cost = CostModel::new(model.config());
+        let tokens = &served.turns[0].tokens;
+        let measured = stateless_turn(&model, &cost, &w.prompt(), tokens, true).unwrap();
+        assert_eq!(measured.kind, "measured");
+        assert_eq!(measured.tokens_agree, (5, 5));
+        let extrapolated = stateless_turn(&model, &cost, &w.prompt(), tokens, false).unwrap();
+        assert_eq!(extrapolated.kind, "extrapolated");
+        assert_eq!(extrapolated.tokens_agree, (2, 2));
+        // Five steps, each at least as long as the measured first one (more FLOPs each).
+        assert!(extrapolated.turn_s >= 5.0 * extrapolated.first_step_s);
     }
 }
