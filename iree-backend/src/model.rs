@@ -133,6 +133,12 @@ impl IreeModel {
         chunks.retain(|&c| c <= cfg.context_capacity);
         let g = graphs::build(&cfg, &chunks);
 
+        // The device first: a machine without one fails fast, before a long compile.
+        let instance = Instance::new()?;
+        let device = match opts.target {
+            Target::LlvmCpu => Device::cpu(&instance)?,
+            Target::VulkanSpirv => Device::vulkan(&instance, 0)?,
+        };
         let compiler = Compiler::discover()?;
         let verbose = opts.verbose;
         let start = Instant::now();
@@ -142,12 +148,6 @@ impl IreeModel {
             }
         })?;
         let compile = start.elapsed();
-
-        let instance = Instance::new()?;
-        let device = match opts.target {
-            Target::LlvmCpu => Device::cpu(&instance)?,
-            Target::VulkanSpirv => Device::vulkan(&instance, 0)?,
-        };
         let session = Session::new(&device, &compiled.vmfb)?;
 
         let file = Weights::open(&dir.join("model.safetensors"))?;

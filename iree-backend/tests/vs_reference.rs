@@ -6,7 +6,7 @@
 use std::sync::OnceLock;
 
 use kvsnap_contract::{KvModel, Logits, Next, Tolerance};
-use kvsnap_iree::compile::Compiler;
+use kvsnap_iree::compile::{Compiler, Target};
 use kvsnap_iree::{IreeModel, IreeOptions};
 use kvsnap_reference::tiny::{write_model, Preset, DEFAULT_SEED};
 use kvsnap_reference::ReferenceModel;
@@ -16,22 +16,73 @@ struct Pair {
     reference: ReferenceModel,
 }
 
-/// The tiny model on both backends, built once per test binary; `None` without a compiler.
-fn pair() -> Option<&'static Pair> {
-    static PAIR: OnceLock<Option<Pair>> = OnceLock::new();
-    PAIR.get_or_init(|| {
+/// The tiny model on IREE (`target`) and on the reference, built once per test binary and
+/// target; `None` (with a visible SKIPPED line) without a compiler or a device.
+fn pair(target: Target) -> Option<&'static Pair> {
+    static CPU: OnceLock<Option<Pair>> = OnceLock::new();
+    static VULKAN: OnceLock<Option<Pair>> = OnceLock::new();
+    let cell = match target {
+        Target::LlvmCpu => &CPU,
+        Target::VulkanSpirv => &VULKAN,
+    };
+    cell.get_or_init(|| {
         if let Err(e) = Compiler::discover() {
             eprintln!("SKIPPED: iree-compile not found ({e})");
             return None;
         }
-        let dir = std::env::temp_dir().join(format!("kvsnap-iree-parity-{}", std::process::id()));
+        let dir = std::env::temp_dir().join(format!(
+            "kvsnap-iree-parity-{}-{}",
+            target.name(),
+            std::process::id()
+        ));
         write_model(&dir, Preset::Tiny, DEFAULT_SEED).expect("tiny model");
         let reference = ReferenceModel::load(&dir).expect("reference model");
-        let iree = IreeModel::load(&dir, &IreeOptions::cpu()).expect("IREE model");
+        let opts = IreeOptions {
+            target,
+            ..IreeOptions::cpu()
+        };
+        let iree = match IreeModel::load(&dir, &opts) {
+            Ok(m) => m,
+            Err(e) if target == Target::VulkanSpirv && e.kind() == "unsupported" => {
+                eprintln!("SKIPPED: no Vulkan device ({e})");
+                return None;
+            }
+            Err(e) => panic!("IREE model on {}: {e}", target.name()),
+        };
         Some(Pair { iree, reference })
     })
     .as_ref()
 }
+
+/// One test per (scenario, target): `cpu_{name}` and `vulkan_{name}`.
+macro_rules! per_target {
+    ($($name:ident),* $(,)?) => {
+        mod cpu {
+            $(#[test]
+            fn $name() {
+                if let Some(p) = super::pair(super::Target::LlvmCpu) {
+                    super::$name(p);
+                }
+            })*
+        }
+        mod vulkan {
+            $(#[test]
+            fn $name() {
+                if let Some(p) = super::pair(super::Target::VulkanSpirv) {
+                    super::$name(p);
+                }
+            })*
+        }
+    };
+}
+
+per_target!(
+    prefill_extend_step_match_the_reference,
+    long_prefill_up_to_capacity_and_overflow_leaves_state_unchanged,
+    snapshots_are_independent,
+    embeddings_input_matches_ids_input,
+    kv_bytes_are_the_allocated_buffers,
+);
 
 /// Deterministic token ids in the tiny vocab.
 fn ids(n: usize, seed: u64) -> Vec<u32> {
@@ -65,9 +116,7 @@ fn assert_close(what: &str, got: &Next, want: &Next) {
     assert_eq!(got.token, want.token, "{what}: next token");
 }
 
-#[test]
-fn prefill_extend_step_match_the_reference() {
-    let Some(p) = pair() else { return };
+fn prefill_extend_step_match_the_reference(p: &Pair) {
     let r = Logits::Return;
     let seq = ids(60, 1);
     // 23 = 16 + 7 (padded to 16); 30 = 16 + 14; then steps: crosses the 6-token window and
@@ -94,9 +143,7 @@ fn prefill_extend_step_match_the_reference() {
     assert_eq!(p.iree.kv_copies(), 0, "KV results in new buffers");
 }
 
-#[test]
-fn long_prefill_up_to_capacity_and_overflow_leaves_state_unchanged() {
-    let Some(p) = pair() else { return };
+fn long_prefill_up_to_capacity_and_overflow_leaves_state_unchanged(p: &Pair) {
     let r = Logits::Return;
     let cap = p.iree.config().context_capacity;
     let seq = ids(cap, 2);
@@ -117,9 +164,7 @@ fn long_prefill_up_to_capacity_and_overflow_leaves_state_unchanged() {
     assert_close("last step", &na, &nb);
 }
 
-#[test]
-fn snapshots_are_independent() {
-    let Some(p) = pair() else { return };
+fn snapshots_are_independent(p: &Pair) {
     let r = Logits::Return;
     let seq = ids(40, 3);
     let (mut a, _) = p.iree.prefill(&seq[..20], r).unwrap();
@@ -149,9 +194,7 @@ fn snapshots_are_independent() {
     assert_close("original after the snapshot diverged", &na, &nb);
 }
 
-#[test]
-fn embeddings_input_matches_ids_input() {
-    let Some(p) = pair() else { return };
+fn embeddings_input_matches_ids_input(p: &Pair) {
     let r = Logits::Return;
     let seq = ids(45, 4);
     let rows = p.reference.embedding_rows(&seq).unwrap();
@@ -171,9 +214,7 @@ fn embeddings_input_matches_ids_input() {
     assert_eq!(bad.kind(), "shape_mismatch");
 }
 
-#[test]
-fn kv_bytes_are_the_allocated_buffers() {
-    let Some(p) = pair() else { return };
+fn kv_bytes_are_the_allocated_buffers(p: &Pair) {
     let cfg = p.iree.config();
     let (kv, _) = p.iree.prefill(&[1, 2, 3], Logits::Skip).unwrap();
     let ring = p.iree.manifest().ring;

@@ -1,9 +1,12 @@
 //! The Gemma 3 forward pass of one chunk as StableHLO, mirroring `kvsnap_reference`'s blocks.
 //!
-//! Activations are kept feature-major, `[features, C]` (the transpose of the reference's
-//! `[C, features]` rows): every projection is then `W . x` with the HF `[out, in]` weight as the
-//! LEFT operand of `dot_general`, which IREE compiles without transposing the weight per call
-//! (see IREE-NOTES), and the result is again feature-major, so no transposes sit between layers.
+//! Activations are row-major `[C, features]` like the reference's. Every projection is
+//! `W . x^T` with the HF `[out, in]` weight as the LEFT operand of `dot_general`, which IREE
+//! compiles without transposing the weight per call (see IREE-NOTES), followed by a transpose
+//! of the small `[out, C]` result. Keeping features innermost also keeps every reduction (norms,
+//! softmax) over the innermost dim: IREE 3.13's SPIR-V code for a reduction over an outer dim
+//! fused with its broadcast consumer returned garbage for all but the first 8 columns on
+//! lavapipe (an RMSNorm over dim 0 of `[64, 16]`).
 
 use kvsnap_contract::{LayerKind, ModelConfig};
 
@@ -60,8 +63,8 @@ impl LayerWeights {
 
 /// cos and sin tables of one RoPE base for the chunk's positions.
 struct RopeTables {
-    cos: Value, // [hd / 2, C]
-    sin: Value, // [hd / 2, C]
+    cos: Value, // [C, hd / 2]
+    sin: Value, // [C, hd / 2]
 }
 
 /// Per-chunk values shared by all layers: positions, masks and RoPE tables.
@@ -104,15 +107,19 @@ impl<'a> Forward<'a> {
         self.b.splat(x, dims)
     }
 
-    /// `W . x` for an HF `[out, in]` weight and a feature-major `[in, C]` input: `[out, C]`.
+    /// `x . W^T` for an HF `[out, in]` weight and `[C, in]` rows, computed as
+    /// `transpose(W . x^T)` with the weight as the left operand: `[C, out]`.
     fn linear(&mut self, w: &Value, x: &Value) -> Value {
-        self.b.dot_general(w, x, &DotDims::contract(1, 0))
+        let t = self.b.dot_general(w, x, &DotDims::contract(1, 1)); // [out, C]
+        self.b.transpose(&t, &[1, 0])
     }
 
-    /// `x * rsqrt(mean(x^2) + eps) * (1 + w)` over dim `dim` of `x`, in f32 as the reference:
-    /// the mean is the sum of squares divided by the dim, and `1 / sqrt` is taken explicitly.
-    fn rms_norm(&mut self, x: &Value, w: &Value, dim: usize) -> Value {
+    /// `x * rsqrt(mean(x^2) + eps) * (1 + w)` over the last dim of `x`, in f32 as the
+    /// reference: the mean is the sum of squares divided by the dim, and `1 / sqrt` is taken
+    /// explicitly.
+    fn rms_norm(&mut self, x: &Value, w: &Value) -> Value {
         let dims = x.dims().to_vec();
+        let dim = dims.len() - 1;
         let n = dims[dim];
         let sq = self.b.mul(x, x);
         let sum = self.b.reduce(&sq, Reduction::Sum, &[dim]);
@@ -133,11 +140,12 @@ impl<'a> Forward<'a> {
         self.b.mul(&y, &scale)
     }
 
-    /// Rotate-half RoPE over dim `dim` (head_dim) of `x`, whose last dim is the chunk's `C`.
-    fn rope(&mut self, x: &Value, dim: usize, t: &RopeTables) -> Value {
+    /// Rotate-half RoPE over the last dim (head_dim) of `x`, whose first dim is the chunk's `C`.
+    fn rope(&mut self, x: &Value, t: &RopeTables) -> Value {
         let dims = x.dims().to_vec();
-        let half = dims[dim] / 2;
         let rank = dims.len();
+        let dim = rank - 1;
+        let half = dims[dim] / 2;
         let mut lo_start = vec![0; rank];
         let mut lo_limit = dims.clone();
         lo_limit[dim] = half;
@@ -145,8 +153,8 @@ impl<'a> Forward<'a> {
         lo_start[dim] = half;
         let x2 = self.b.slice(x, &lo_start, &dims);
         let hdims = x1.dims().to_vec();
-        let cos = self.b.broadcast_in_dim(&t.cos, &hdims, &[dim, rank - 1]);
-        let sin = self.b.broadcast_in_dim(&t.sin, &hdims, &[dim, rank - 1]);
+        let cos = self.b.broadcast_in_dim(&t.cos, &hdims, &[0, dim]);
+        let sin = self.b.broadcast_in_dim(&t.sin, &hdims, &[0, dim]);
         let a = self.b.mul(&x1, &cos);
         let b = self.b.mul(&x2, &sin);
         let out1 = self.b.sub(&a, &b);
@@ -261,11 +269,11 @@ impl<'a> Forward<'a> {
                 f / factor as f32
             })
             .collect();
-        let dims = [hd / 2, c];
+        let dims = [c, hd / 2];
         let f = self.b.const_f32_vec(&inv_freq);
-        let f = self.b.broadcast_in_dim(&f, &dims, &[0]);
+        let f = self.b.broadcast_in_dim(&f, &dims, &[1]);
         let p = self.b.convert(qpos, ElemType::F32);
-        let p = self.b.broadcast_in_dim(&p, &dims, &[1]);
+        let p = self.b.broadcast_in_dim(&p, &dims, &[0]);
         let angle = self.b.mul(&f, &p);
 
         let two_pi = std::f64::consts::TAU;
@@ -290,14 +298,13 @@ impl<'a> Forward<'a> {
 
     // ---- the model ------------------------------------------------------------------------
 
-    /// Scaled input embeddings, feature-major.
+    /// Scaled input embeddings.
     ///
     /// # Shapes
-    /// `rows`: `[C, hidden]` raw rows; returns `[hidden, C]`.
+    /// `rows`: `[C, hidden]` raw rows; returns `[C, hidden]`.
     pub fn embed(&mut self, rows: &Value) -> Value {
-        let x = self.b.transpose(rows, &[1, 0]);
-        let scale = self.f32(self.cfg.embed_scale(), x.dims());
-        self.b.mul(&x, &scale)
+        let scale = self.f32(self.cfg.embed_scale(), rows.dims());
+        self.b.mul(rows, &scale)
     }
 
     /// Rows of `embed_tokens` for `ids`.
@@ -313,7 +320,7 @@ impl<'a> Forward<'a> {
     /// One decoder layer with sandwich norms; returns the new residual and KV buffers.
     ///
     /// # Shapes
-    /// `x`: `[hidden, C]`; `k_buf`, `v_buf`: `[window or capacity, kv_heads, hd]`.
+    /// `x`: `[C, hidden]`; `k_buf`, `v_buf`: `[ring rows or capacity, kv_heads, hd]`.
     pub fn layer(
         &mut self,
         layer: usize,
@@ -323,14 +330,14 @@ impl<'a> Forward<'a> {
         k_buf: &Value,
         v_buf: &Value,
     ) -> (Value, Value, Value) {
-        let h = self.rms_norm(x, &w.input_layernorm, 0);
+        let h = self.rms_norm(x, &w.input_layernorm);
         let (a, k_buf, v_buf) = self.attention(layer, w, ch, &h, k_buf, v_buf);
-        let a = self.rms_norm(&a, &w.post_attention_layernorm, 0);
+        let a = self.rms_norm(&a, &w.post_attention_layernorm);
         let x = self.b.add(x, &a);
 
-        let h = self.rms_norm(&x, &w.pre_feedforward_layernorm, 0);
+        let h = self.rms_norm(&x, &w.pre_feedforward_layernorm);
         let m = self.mlp(w, &h);
-        let m = self.rms_norm(&m, &w.post_feedforward_layernorm, 0);
+        let m = self.rms_norm(&m, &w.post_feedforward_layernorm);
         let x = self.b.add(&x, &m);
         (x, k_buf, v_buf)
     }
@@ -362,7 +369,7 @@ impl<'a> Forward<'a> {
     /// the chunk, then the chunk's K/V rows stored.
     ///
     /// # Shapes
-    /// `x`: `[hidden, C]` (normed); returns `[hidden, C]` and the updated buffers.
+    /// `x`: `[C, hidden]` (normed); returns `[C, hidden]` and the updated buffers.
     fn attention(
         &mut self,
         layer: usize,
@@ -376,20 +383,20 @@ impl<'a> Forward<'a> {
         let (c, hd, kvh) = (ch.c, cfg.head_dim, cfg.num_key_value_heads);
         let g = cfg.group_size();
         let q = self.linear(&w.q_proj, x);
-        let q = self.b.reshape(&q, &[kvh, g, hd, c]);
+        let q = self.b.reshape(&q, &[c, kvh, g, hd]);
         let k = self.linear(&w.k_proj, x);
-        let k = self.b.reshape(&k, &[kvh, hd, c]);
+        let k = self.b.reshape(&k, &[c, kvh, hd]);
         let v = self.linear(&w.v_proj, x);
-        let v = self.b.reshape(&v, &[kvh, hd, c]);
-        let q = self.rms_norm(&q, &w.q_norm, 2);
-        let k = self.rms_norm(&k, &w.k_norm, 1);
+        let v = self.b.reshape(&v, &[c, kvh, hd]);
+        let q = self.rms_norm(&q, &w.q_norm);
+        let k = self.rms_norm(&k, &w.k_norm);
         let kind = cfg.layer_kinds[layer];
         let tables = match kind {
             LayerKind::Sliding => &ch.rope_local,
             LayerKind::Global => &ch.rope_global,
         };
-        let q = self.rope(&q, 2, tables);
-        let k = self.rope(&k, 1, tables);
+        let q = self.rope(&q, tables);
+        let k = self.rope(&k, tables);
         // Padding rows are zeroed, so that whatever they computed never reaches a cache.
         let k = self.zero_padding(&k, ch);
         let v = self.zero_padding(&v, ch);
@@ -399,25 +406,24 @@ impl<'a> Forward<'a> {
             LayerKind::Global => (&ch.pos0, &ch.global_mask),
         };
         let (o, k_buf, v_buf) = self.buffer_attention(&q, &k, &v, k_buf, v_buf, start, mask);
-        // [kvh, g, C, hd] -> [kvh, g, hd, C] -> [heads * hd, C]
-        let o = self.b.transpose(&o, &[0, 1, 3, 2]);
-        let o = self.b.reshape(&o, &[kvh * g * hd, c]);
+        // [kvh, C, g, hd] -> [C, kvh, g, hd] -> [C, heads * hd]
+        let o = self.b.transpose(&o, &[1, 0, 2, 3]);
+        let o = self.b.reshape(&o, &[c, kvh * g * hd]);
         (self.linear(&w.o_proj, &o), k_buf, v_buf)
     }
 
-    /// `select(i < valid, x[..., i], 0)` over the last (chunk) dim.
+    /// `select(i < valid, x[i, ...], 0)` over the first (chunk) dim.
     fn zero_padding(&mut self, x: &Value, ch: &Chunk) -> Value {
         let dims = x.dims().to_vec();
-        let rank = dims.len();
-        let keep = self.b.broadcast_in_dim(&ch.row_valid, &dims, &[rank - 1]);
+        let keep = self.b.broadcast_in_dim(&ch.row_valid, &dims, &[0]);
         let zero = self.f32(0.0, &dims);
         self.b.select(&keep, x, &zero)
     }
 
-    /// `q . k^T` scores of `q [kvh, g, hd, C]` against cached rows `[rows, kvh, hd]`:
-    /// `[kvh, g, C, rows]`.
+    /// `q . k^T` scores of `q [C, kvh, g, hd]` against cached rows `[rows, kvh, hd]`:
+    /// `[kvh, C, g, rows]`.
     fn scores_rows(&mut self, q: &Value, rows: &Value) -> Value {
-        self.b.dot_general(q, rows, &DotDims::batched(0, 1, 2, 2))
+        self.b.dot_general(q, rows, &DotDims::batched(1, 1, 3, 2))
     }
 
     /// Scale, soft-cap, mask (`[C, K]` broadcast over heads) and softmax over the last dim, in
@@ -429,7 +435,7 @@ impl<'a> Forward<'a> {
         if let Some(cap) = self.cfg.attn_logit_softcapping {
             s = self.softcap(&s, cap as f32);
         }
-        let mask = self.b.broadcast_in_dim(mask, &dims, &[2, 3]);
+        let mask = self.b.broadcast_in_dim(mask, &dims, &[1, 3]);
         let masked = self.f32(MASKED, &dims);
         let s = self.b.select(&mask, &s, &masked);
         let max = self.b.reduce(&s, Reduction::Max, &[3]);
@@ -461,8 +467,8 @@ impl<'a> Forward<'a> {
     /// [`RingGeometry::new`]).
     ///
     /// # Shapes
-    /// `q`: `[kvh, g, hd, C]`; `k`, `v`: `[kvh, hd, C]`; buffers `[rows, kvh, hd]`; returns the
-    /// attention output `[kvh, g, C, hd]` and the buffers.
+    /// `q`: `[C, kvh, g, hd]`; `k`, `v`: `[C, kvh, hd]`; buffers `[rows, kvh, hd]`; returns the
+    /// attention output `[kvh, C, g, hd]` and the buffers.
     #[allow(clippy::too_many_arguments)]
     fn buffer_attention(
         &mut self,
@@ -475,15 +481,13 @@ impl<'a> Forward<'a> {
         mask: &Value,
     ) -> (Value, Value, Value) {
         let zero = self.i32(0, &[]);
-        let kr = self.b.transpose(k, &[2, 0, 1]); // [C, kvh, hd]
-        let vr = self.b.transpose(v, &[2, 0, 1]);
         let k_buf = self
             .b
-            .dynamic_update_slice(k_buf, &kr, &[start, &zero, &zero]);
+            .dynamic_update_slice(k_buf, k, &[start, &zero, &zero]);
         let v_buf = self
             .b
-            .dynamic_update_slice(v_buf, &vr, &[start, &zero, &zero]);
-        let s = self.scores_rows(q, &k_buf); // [kvh, g, C, rows]
+            .dynamic_update_slice(v_buf, v, &[start, &zero, &zero]);
+        let s = self.scores_rows(q, &k_buf); // [kvh, C, g, rows]
         let p = self.softmax_scores(&s, mask);
         let o = self
             .b
@@ -494,7 +498,7 @@ impl<'a> Forward<'a> {
     /// Final norm, tied head and greedy argmax of the last valid row.
     ///
     /// # Shapes
-    /// `x`: `[hidden, C]`; `embed`: `[vocab, hidden]`; returns `next: []` i32 and
+    /// `x`: `[C, hidden]`; `embed`: `[vocab, hidden]`; returns `next: []` i32 and
     /// `logits: [vocab]`.
     pub fn head(&mut self, ch: &Chunk, x: &Value, norm: &Value, embed: &Value) -> (Value, Value) {
         let hidden = self.cfg.hidden_size;
@@ -502,9 +506,9 @@ impl<'a> Forward<'a> {
         let zero = self.i32(0, &[]);
         let one = self.i32(1, &[]);
         let last = self.b.sub(&ch.valid, &one);
-        let h = self.b.dynamic_slice(x, &[&zero, &last], &[hidden, 1]);
-        let h = self.rms_norm(&h, norm, 0);
-        let logits = self.b.dot_general(embed, &h, &DotDims::contract(1, 0)); // [vocab, 1]
+        let h = self.b.dynamic_slice(x, &[&last, &zero], &[1, hidden]);
+        let h = self.rms_norm(&h, norm);
+        let logits = self.b.dot_general(embed, &h, &DotDims::contract(1, 1)); // [vocab, 1]
         let mut logits = self.b.reshape(&logits, &[vocab]);
         if let Some(cap) = self.cfg.final_logit_softcapping {
             logits = self.softcap(&logits, cap as f32);
