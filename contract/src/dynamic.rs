@@ -266,6 +266,7 @@ impl<M: KvModel> DynModel for Session<M> {
             return Err(Error::Closed { op });
         }
         check::tokens(self.model.config(), op, 0, ids)?;
+        check::embeddings(self.model.config(), op, ids.len(), embeddings)?;
         let predicted = self.model.config().kv_bytes(ids.len());
         self.new_state(op, predicted, || {
             self.model.prefill_embeddings(ids, embeddings, logits)

@@ -232,20 +232,16 @@ pub fn step_past_capacity<M: KvModel>(b: &Backend<M>) {
 pub fn prefill_past_capacity<M: KvModel>(b: &Backend<M>) {
     isolated(&b.model, |s, _| {
         expect_err(
-            s.prefill(&vec![4; CAPACITY + 1], Logits::Skip),
+            s.prefill(&[4; CAPACITY + 1], Logits::Skip),
             "context_overflow",
             &["prefill"],
         );
         expect_err(
-            s.prefill_embeddings(
-                &vec![4; CAPACITY + 1],
-                &rows_of(b, CAPACITY + 1),
-                Logits::Skip,
-            ),
+            s.prefill_embeddings(&[4; CAPACITY + 1], &rows_of(b, CAPACITY + 1), Logits::Skip),
             "context_overflow",
             &["prefill_embeddings"],
         );
-        let (c, _) = s.prefill(&vec![4; CAPACITY], Logits::Skip).unwrap();
+        let (c, _) = s.prefill(&[4; CAPACITY], Logits::Skip).unwrap();
         s.release(c).unwrap();
     });
 }
