@@ -158,9 +158,9 @@ pub enum CatalogProblem {
 impl Catalog {
     /// Reads and validates a catalog file.
     pub fn from_file(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|source| Error::Io {
+        let text = std::fs::read_to_string(path).map_err(|cause| Error::Io {
             path: path.to_path_buf(),
-            source,
+            cause,
         })?;
         Self::from_json(&text, &path.display().to_string())
     }

@@ -35,12 +35,12 @@ pub enum Error {
     #[error("prefix cache: the prefix is empty")]
     EmptyPrefix,
 
-    /// An I/O error on a named file.
-    #[error("{path}: {source}")]
+    /// An I/O error on a named file. The cause is part of the message (not chained as a
+    /// `source`), so that `{:#}` printers do not repeat it.
+    #[error("{path}: {cause}")]
     Io {
         path: PathBuf,
-        #[source]
-        source: std::io::Error,
+        cause: std::io::Error,
     },
 
     /// A failure of the model behind the contract.

@@ -4,7 +4,7 @@ use kvsnap_contract::KvModel;
 
 use crate::cache::{Lookup, PrefillProgress, PrefixCache};
 use crate::call::{parse_call, CallError, FunctionCall};
-use crate::catalog::{Catalog, CatalogProblem};
+use crate::catalog::{Catalog, CatalogProblem, Function};
 use crate::error::Result;
 use crate::render;
 use crate::stop::StopRules;
@@ -23,22 +23,37 @@ pub struct CallOutcome {
 }
 
 /// Serves utterances against catalogs, each catalog's prefix prefilled once and cached.
+///
+/// The cache key of a catalog is its prefix's tokens, less the few at its end that tokenize
+/// differently once another declaration follows (the base Gemma 3 tokenizer merges the `>` that
+/// ends `<end_function_declaration>` with the `<` that starts the next declaration; a FunctionGemma
+/// tokenizer has both markers as single tokens and holds nothing back). Those tokens are sent with
+/// the turn instead, so a catalog that appends functions to a cached one extends its snapshot, and
+/// the whole prompt still tokenizes exactly as one text.
 pub struct ToolCaller<'m, M: KvModel> {
     cache: PrefixCache<'m, M>,
     tokenizer: Tokenizer,
     rules: StopRules,
+    held_back: usize,
 }
 
 impl<'m, M: KvModel> ToolCaller<'m, M> {
     /// A caller over `model` with a prefix cache of `budget` bytes, generating at most
     /// `max_new_tokens` per utterance.
-    pub fn new(model: &'m M, tokenizer: Tokenizer, budget: u64, max_new_tokens: usize) -> Self {
+    pub fn new(
+        model: &'m M,
+        tokenizer: Tokenizer,
+        budget: u64,
+        max_new_tokens: usize,
+    ) -> Result<Self> {
         let rules = StopRules::new(model.config(), tokenizer.end_of_turn(), max_new_tokens);
-        ToolCaller {
+        let held_back = unstable_tail(&tokenizer)?;
+        Ok(ToolCaller {
             cache: PrefixCache::new(model, budget),
             tokenizer,
             rules,
-        }
+            held_back,
+        })
     }
 
     /// Computes uncached prefixes `chunk` tokens per model call (progress is reported per chunk).
@@ -62,9 +77,16 @@ impl<'m, M: KvModel> ToolCaller<'m, M> {
         &self.rules
     }
 
-    /// Token ids of `catalog`'s prefix, `<bos>` first: the cache key.
-    pub fn prefix_ids(&self, catalog: &Catalog) -> Result<Vec<u32>> {
-        self.tokenizer.encode_with_bos(&render::prefix(catalog))
+    /// Tokens at the end of a catalog prefix that are sent with each turn instead of cached.
+    pub fn held_back(&self) -> usize {
+        self.held_back
+    }
+
+    /// The cache key of `catalog` (`<bos>` first) and the tokens held back from it.
+    pub fn prefix_ids(&self, catalog: &Catalog) -> Result<(Vec<u32>, Vec<u32>)> {
+        let mut key = self.tokenizer.encode_with_bos(&render::prefix(catalog))?;
+        let tail = key.split_off(key.len() - self.held_back.min(key.len() - 1));
+        Ok((key, tail))
     }
 
     /// Makes sure `catalog`'s prefix is cached (prefilling it if needed) without serving a turn;
@@ -74,8 +96,8 @@ impl<'m, M: KvModel> ToolCaller<'m, M> {
         catalog: &Catalog,
         progress: &mut dyn FnMut(PrefillProgress),
     ) -> Result<Lookup> {
-        let prefix = self.prefix_ids(catalog)?;
-        let checkout = self.cache.checkout_with_progress(&prefix, progress)?;
+        let (key, _) = self.prefix_ids(catalog)?;
+        let checkout = self.cache.checkout_with_progress(&key, progress)?;
         self.cache.model().release(checkout.kv)?;
         Ok(checkout.lookup)
     }
@@ -87,12 +109,12 @@ impl<'m, M: KvModel> ToolCaller<'m, M> {
         utterance: &str,
         progress: &mut dyn FnMut(PrefillProgress),
     ) -> Result<CallOutcome> {
-        let prefix = self.prefix_ids(catalog)?;
-        let turn_ids = self.tokenizer.encode(&render::turn(utterance)?)?;
+        let (key, mut turn_ids) = self.prefix_ids(catalog)?;
+        turn_ids.extend(self.tokenizer.encode(&render::turn(utterance)?)?);
         let tokenizer = &self.tokenizer;
         let turn = run_turn(
             &mut self.cache,
-            &prefix,
+            &key,
             &turn_ids,
             &self.rules,
             &|ids| tokenizer.decode(ids),
@@ -109,4 +131,23 @@ impl<'m, M: KvModel> ToolCaller<'m, M> {
             problems,
         })
     }
+}
+
+/// How many tokens at the end of a catalog prefix change when another declaration follows,
+/// measured on a two-function catalog against its first function alone.
+fn unstable_tail(tokenizer: &Tokenizer) -> Result<usize> {
+    let f = |name: &str| Function {
+        name: name.into(),
+        description: Some("x".into()),
+        parameters: Default::default(),
+        required: vec![],
+    };
+    let one = tokenizer.encode(&render::prefix(&Catalog {
+        functions: vec![f("a")],
+    }))?;
+    let two = tokenizer.encode(&render::prefix(&Catalog {
+        functions: vec![f("a"), f("b")],
+    }))?;
+    let common = one.iter().zip(&two).take_while(|(a, b)| a == b).count();
+    Ok(one.len() - common)
 }

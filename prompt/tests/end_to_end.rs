@@ -176,7 +176,7 @@ fn real_model_tool_caller_follows_the_oracle_on_catalog_tv() {
     let tokenizer = Tokenizer::load(&dir).unwrap();
     let catalog =
         Catalog::from_file(&common::manifest_dir().join("../examples/tv-catalog.json")).unwrap();
-    let mut caller = ToolCaller::new(&model, tokenizer, 256 << 20, greedy.len());
+    let mut caller = ToolCaller::new(&model, tokenizer, 256 << 20, greedy.len()).unwrap();
     let out = caller
         .call(
             &catalog,
@@ -208,4 +208,23 @@ fn real_model_tool_caller_follows_the_oracle_on_catalog_tv() {
         .unwrap();
     assert_eq!(again.turn.timings.lookup, Lookup::Hit);
     assert_eq!(caller.cache().stats().misses, 1);
+
+    // A catalog that appends a function extends the cached catalog's snapshot: the base
+    // tokenizer spells the markers with several tokens, and only the last one is held back.
+    assert_eq!(caller.held_back(), 1);
+    let (key, _) = caller.prefix_ids(&catalog).unwrap();
+    let mut more = catalog.clone();
+    more.functions.push(catalog.functions[0].clone());
+    more.functions.last_mut().unwrap().name = "set_volume_again".into();
+    let out = caller.call(&more, "mute", &mut |_| {}).unwrap();
+    assert_eq!(
+        out.turn.timings.lookup,
+        Lookup::Extended { reused: key.len() }
+    );
+    // The split moves tokens between key and turn but the sequence is the whole prompt's.
+    let tok = caller.tokenizer();
+    let whole = tok
+        .encode_with_bos(&kvsnap_prompt::render::prompt(&more, "mute").unwrap())
+        .unwrap();
+    assert_eq!(out.turn.prompt_len(), whole.len());
 }

@@ -109,7 +109,7 @@ pub(super) fn start<'m, M: KvModel>(
     tokenizer: Tokenizer,
     catalog: &Catalog,
 ) -> anyhow::Result<ToolCaller<'m, M>> {
-    let mut caller = ToolCaller::new(model, tokenizer, args.cache_mib << 20, args.max_new_tokens)
+    let mut caller = ToolCaller::new(model, tokenizer, args.cache_mib << 20, args.max_new_tokens)?
         .with_prefill_chunk(args.prefill_chunk);
     println!(
         "catalog {}: {} functions; backend {}, at most {} new tokens per utterance",
@@ -130,7 +130,7 @@ pub(super) fn warm<M: KvModel>(
     let before = caller.cache().stats();
     let lookup = caller.warm(catalog, &mut progress_printer())?;
     let after = caller.cache().stats();
-    let prefix_len = caller.prefix_ids(catalog)?.len();
+    let prefix_len = caller.prefix_ids(catalog)?.0.len();
     let computed = after.prefilled_tokens - before.prefilled_tokens;
     let seconds = after.prefill_s - before.prefill_s;
     let how = match lookup {
@@ -143,8 +143,14 @@ pub(super) fn warm<M: KvModel>(
             "{reused} tokens reused from a cached catalog, {computed} prefilled in {seconds:.2} s"
         ),
     };
+    let held_back = match caller.held_back() {
+        0 => String::new(),
+        n => format!(
+            " (+{n} sent with each turn: it tokenizes differently when declarations follow)"
+        ),
+    };
     println!(
-        "catalog prefix: {prefix_len} tokens, {how}; {:.1} MiB of KV cached",
+        "catalog prefix: {prefix_len} tokens{held_back}, {how}; {:.1} MiB of KV cached",
         after.bytes as f64 / MIB
     );
     Ok(())
