@@ -6,6 +6,7 @@
 //! - `scaling`: per-step time of the stateless redecode (the whole sequence every step, head
 //!   sliced) against the stateful step at several sequence lengths, and the per-turn ratio.
 //! - `limits`: read bandwidth and SGEMM rate only.
+//! - `plot`: no measurement; draws earlier scaling runs (several backends) into one SVG.
 //!
 //! Each prints a table on stdout (progress goes to stderr) and, with `--json`, writes one JSON
 //! object. Every scenario is generic over [`KvModel`], so any backend of [`with_model!`] runs it.
