@@ -21,8 +21,10 @@ use crate::runtime::{BufferView, Device, ElementType, ImportStats, Instance, Ses
 /// How to load an [`IreeModel`].
 #[derive(Clone, Debug)]
 pub struct IreeOptions {
-    /// `Target::LlvmCpu` (device `local-task`) or `Target::VulkanSpirv` (Vulkan device 0).
+    /// `Target::LlvmCpu` (device `local-task`) or `Target::VulkanSpirv`.
     pub target: Target,
+    /// Vulkan device ordinal (ignored on the CPU).
+    pub device: usize,
     /// Chunk sizes to compile; 1 (the decode step) is always added.
     pub chunks: Vec<usize>,
     /// Context capacity in tokens (rows of the global layers' KV buffers); `None` keeps the
@@ -37,6 +39,7 @@ impl IreeOptions {
     pub fn cpu() -> Self {
         IreeOptions {
             target: Target::LlvmCpu,
+            device: 0,
             chunks: DEFAULT_CHUNKS.to_vec(),
             capacity: None,
             verbose: false,
@@ -137,7 +140,7 @@ impl IreeModel {
         let instance = Instance::new()?;
         let device = match opts.target {
             Target::LlvmCpu => Device::cpu(&instance)?,
-            Target::VulkanSpirv => Device::vulkan(&instance, 0)?,
+            Target::VulkanSpirv => Device::vulkan(&instance, opts.device)?,
         };
         let compiler = Compiler::discover()?;
         let verbose = opts.verbose;

@@ -11,16 +11,30 @@ use std::str::FromStr;
 pub enum Backend {
     /// The pure-Rust CPU reference (`kvsnap-reference`).
     Reference,
+    /// IREE on the CPU (llvm-cpu target, local-task device).
+    IreeCpu,
+    /// IREE on a Vulkan device (vulkan-spirv target); the device ordinal comes from
+    /// `KVSNAP_VULKAN_DEVICE` (default 0).
+    IreeVulkan,
 }
 
-/// Backends that are designed but not built into this version.
-const PLANNED: [&str; 2] = ["iree-cpu", "iree-vulkan"];
+/// Every backend, in CLI order.
+pub const ALL: [Backend; 3] = [Backend::Reference, Backend::IreeCpu, Backend::IreeVulkan];
+
+impl Backend {
+    /// The CLI name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Backend::Reference => "reference",
+            Backend::IreeCpu => "iree-cpu",
+            Backend::IreeVulkan => "iree-vulkan",
+        }
+    }
+}
 
 impl fmt::Display for Backend {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Backend::Reference => f.write_str("reference"),
-        }
+        f.write_str(self.name())
     }
 }
 
@@ -28,17 +42,28 @@ impl FromStr for Backend {
     type Err = String;
 
     fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "reference" => Ok(Backend::Reference),
-            planned if PLANNED.contains(&planned) => Err(format!(
-                "backend `{planned}` is not built in this version (built: reference)"
-            )),
-            other => Err(format!(
-                "unknown backend `{other}` (known: reference; {}: not built in this version)",
-                PLANNED.join(", ")
-            )),
+        ALL.into_iter().find(|b| b.name() == s).ok_or_else(|| {
+            let known: Vec<&str> = ALL.iter().map(|b| b.name()).collect();
+            format!("unknown backend `{s}` (known: {})", known.join(", "))
+        })
+    }
+}
+
+/// IREE load options for `backend` (compile progress on stderr).
+pub fn iree_options(backend: Backend) -> anyhow::Result<kvsnap_iree::IreeOptions> {
+    let mut opts = match backend {
+        Backend::IreeVulkan => kvsnap_iree::IreeOptions::vulkan(),
+        _ => kvsnap_iree::IreeOptions::cpu(),
+    };
+    opts.verbose = true;
+    if backend == Backend::IreeVulkan {
+        if let Ok(ordinal) = std::env::var("KVSNAP_VULKAN_DEVICE") {
+            opts.device = ordinal.parse().map_err(|_| {
+                anyhow::anyhow!("KVSNAP_VULKAN_DEVICE must be a device ordinal, got `{ordinal}`")
+            })?;
         }
     }
+    Ok(opts)
 }
 
 /// Loads `$backend` from model dir `$dir` and evaluates `$body` with `$m` bound to `&model`.
@@ -48,9 +73,17 @@ impl FromStr for Backend {
 /// ```
 macro_rules! with_model {
     ($backend:expr, $dir:expr, |$m:ident| $body:expr) => {{
-        match $backend {
+        let backend = $backend;
+        match backend {
             $crate::commands::backend::Backend::Reference => {
                 let model = kvsnap_reference::ReferenceModel::load($dir)?;
+                let $m = &model;
+                $body
+            }
+            $crate::commands::backend::Backend::IreeCpu
+            | $crate::commands::backend::Backend::IreeVulkan => {
+                let opts = $crate::commands::backend::iree_options(backend)?;
+                let model = kvsnap_iree::IreeModel::load($dir, &opts)?;
                 let $m = &model;
                 $body
             }

@@ -82,16 +82,36 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             );
             check(&model, &checker, &cases)
         }
+        Backend::IreeCpu | Backend::IreeVulkan => {
+            let start = Instant::now();
+            let mut opts = super::backend::iree_options(args.backend)?;
+            if longest(&cases) > DEFAULT_CONTEXT_CAPACITY {
+                opts.capacity = Some(longest(&cases));
+            }
+            let model = kvsnap_iree::IreeModel::load(&args.model, &opts)
+                .with_context(|| format!("loading {} on {}", args.model.display(), args.backend))?;
+            eprintln!(
+                "loaded {} in {:.1} s",
+                args.model.display(),
+                start.elapsed().as_secs_f64()
+            );
+            check(&model, &checker, &cases)
+        }
     }
+}
+
+/// Tokens of the longest selected case (prompt and greedy continuation).
+fn longest(cases: &[&Case]) -> usize {
+    cases
+        .iter()
+        .map(|c| c.ids.len() + c.greedy.len())
+        .max()
+        .unwrap_or(0)
 }
 
 /// Loads the reference model with room for the longest selected case.
 fn load_reference(dir: &Path, cases: &[&Case]) -> anyhow::Result<ReferenceModel> {
-    let longest = cases
-        .iter()
-        .map(|c| c.ids.len() + c.greedy.len())
-        .max()
-        .unwrap_or(0);
+    let longest = longest(cases);
     let model = if longest > DEFAULT_CONTEXT_CAPACITY {
         ReferenceModel::load_with_capacity(dir, longest)
     } else {
