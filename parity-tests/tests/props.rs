@@ -22,6 +22,13 @@ kvsnap_parity::backend_props!(iree_cpu, IreeModel, |dir, cap| load_iree(
     cap,
     Target::LlvmCpu
 ));
+// Vulkan on lavapipe (CI) costs about 3 s per script with every truth: 16 scripts per property.
+kvsnap_parity::backend_props!(
+    iree_vulkan,
+    IreeModel,
+    |dir, cap| load_iree(dir, cap, Target::VulkanSpirv),
+    cases = 16
+);
 
 /// `IreeModel` on `target` with `capacity`; `Unsupported` (the tests skip) without a 3.13
 /// `iree-compile` or, for Vulkan, without a device.

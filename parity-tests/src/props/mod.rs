@@ -48,6 +48,8 @@ pub use suite::{
 /// ```ignore
 /// kvsnap_parity::backend_props!(reference, ReferenceModel, ReferenceModel::load_with_capacity);
 /// kvsnap_parity::backend_props!(iree_cpu, IreeModel, load_iree_cpu);
+/// // A slow device: fewer scripts per property than `TINY_CASES`.
+/// kvsnap_parity::backend_props!(iree_vulkan, IreeModel, load_iree_vulkan, cases = 16);
 /// ```
 ///
 /// A loader that returns `Error::Unsupported` (no compiler, no device) makes the tests print
@@ -59,6 +61,9 @@ pub use suite::{
 #[macro_export]
 macro_rules! backend_props {
     ($module:ident, $model:ty, $load:expr) => {
+        $crate::backend_props!($module, $model, $load, cases = $crate::props::TINY_CASES);
+    };
+    ($module:ident, $model:ty, $load:expr, cases = $cases:expr) => {
         mod $module {
             #[allow(unused_imports)]
             use super::*;
@@ -70,7 +75,9 @@ macro_rules! backend_props {
                     ::std::sync::OnceLock::new();
                 SUITE
                     .get_or_init(|| {
-                        Suite::tiny(stringify!($module), $load).unwrap_or_else(|e| panic!("{e}"))
+                        Suite::tiny(stringify!($module), $load)
+                            .unwrap_or_else(|e| panic!("{e}"))
+                            .map(|suite| suite.with_cases($cases))
                     })
                     .as_ref()
             }

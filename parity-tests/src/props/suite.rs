@@ -287,6 +287,12 @@ impl<M: KvModel> Suite<M> {
         }
     }
 
+    /// The same suite with `cases` scripts per property (`KVSNAP_PROPS_CASES` still wins).
+    pub fn with_cases(mut self, cases: u32) -> Self {
+        self.cases = env_u64("KVSNAP_PROPS_CASES").map_or(cases, |n| n as u32);
+        self
+    }
+
     /// The suite on the tiny model with [`TINY_CAPACITY`] and `goldens/tiny.json`; `load`
     /// loads the backend from a model directory with a context capacity.
     ///
