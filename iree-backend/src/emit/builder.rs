@@ -16,11 +16,17 @@ use super::types::{ElemType, TensorType, Value};
 /// Comparison direction of `stablehlo.compare`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Cmp {
+    /// `EQ`
     Eq,
+    /// `NE`
     Ne,
+    /// `LT`
     Lt,
+    /// `LE`
     Le,
+    /// `GT`
     Gt,
+    /// `GE`
     Ge,
 }
 
@@ -49,9 +55,13 @@ pub enum Reduction {
 /// Dimension numbers of `stablehlo.dot_general`.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct DotDims {
+    /// Batch dims of the left operand (paired in order with `rhs_batch`).
     pub lhs_batch: Vec<usize>,
+    /// Batch dims of the right operand.
     pub rhs_batch: Vec<usize>,
+    /// Contracting dims of the left operand (paired in order with `rhs_contract`).
     pub lhs_contract: Vec<usize>,
+    /// Contracting dims of the right operand.
     pub rhs_contract: Vec<usize>,
 }
 

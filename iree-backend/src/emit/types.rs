@@ -27,7 +27,9 @@ impl ElemType {
 /// A statically shaped tensor type, `tensor<2x3xf32>`; no dims is a scalar `tensor<f32>`.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct TensorType {
+    /// Static dims, outermost first.
     pub dims: Vec<usize>,
+    /// Element type.
     pub elem: ElemType,
 }
 
@@ -89,7 +91,9 @@ impl fmt::Display for TensorType {
 /// A typed SSA value of the function being built, printed `%{id}`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Value {
+    /// SSA number, unique within its function.
     pub id: usize,
+    /// The value's type.
     pub ty: TensorType,
 }
 

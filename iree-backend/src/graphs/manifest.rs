@@ -13,7 +13,9 @@ pub const MANIFEST_VERSION: u32 = 1;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum DType {
+    /// 32-bit float.
     F32,
+    /// 32-bit signed integer.
     I32,
 }
 
@@ -46,8 +48,11 @@ pub struct TensorSpec {
     /// HF tensor name for weights, `layers.{i}.k` / `layers.{i}.v` for KV buffers, the
     /// argument name otherwise.
     pub name: String,
+    /// What the tensor is for.
     pub role: Role,
+    /// Static shape.
     pub dims: Vec<usize>,
+    /// Element type.
     pub dtype: DType,
 }
 
@@ -93,6 +98,7 @@ pub enum KvLayout {
 /// One entry point: `chunk_ids_c{C}` or `chunk_emb_c{C}`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct EntryPoint {
+    /// Exported function name, `chunk_{ids,emb}_c{C}`.
     pub name: String,
     /// Rows per call (`C`); `C = 1` is the decode step.
     pub chunk: usize,
@@ -107,7 +113,9 @@ pub struct EntryPoint {
 /// Everything a runtime needs to call the module's entry points.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Manifest {
+    /// Always [`MANIFEST_FORMAT`].
     pub format: String,
+    /// [`MANIFEST_VERSION`] of the writer.
     pub version: u32,
     /// Chunk sizes compiled, ascending.
     pub chunks: Vec<usize>,
@@ -118,6 +126,7 @@ pub struct Manifest {
     /// A chunk at `pos0` must satisfy `pos0 + C <= capacity` (full-layer buffers have
     /// `capacity` rows, and a dynamic update slice would clamp a write past the end).
     pub capacity: usize,
+    /// Every entry point: ids and embeddings input per chunk size, ascending.
     pub entry_points: Vec<EntryPoint>,
 }
 

@@ -74,7 +74,9 @@ pub fn entry_name(input: Input, chunk: usize) -> String {
 /// An emitted module: its MLIR text and the manifest of its entry points.
 #[derive(Clone, Debug)]
 pub struct Graphs {
+    /// The module's MLIR text (StableHLO in generic syntax).
     pub mlir: String,
+    /// Its entry points, argument and result order.
     pub manifest: Manifest,
 }
 
