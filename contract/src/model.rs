@@ -41,7 +41,11 @@ pub struct Next {
 /// `seq x vocab`.
 ///
 /// Inputs are checked before anything changes: an operation that returns an input error (token
-/// out of range, empty input, context overflow, wrong shape) leaves `kv` exactly as it was.
+/// out of range, empty input, context overflow, wrong shape, non-finite embeddings) leaves `kv`
+/// exactly as it was. Any other error (a device failure) may strike midway and leave `kv` half
+/// updated: it is not restored, only fit to be released. [`crate::Session`] marks such a state
+/// poisoned, so every later call on its handle fails with [`Error::Poisoned`]
+/// (docs/RELIABILITY.md).
 ///
 /// `Kv` is owned and backend-specific, so using a released state is a compile error in Rust;
 /// FFI layers keep states in a handle table and turn stale handles into

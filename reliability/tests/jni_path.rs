@@ -15,7 +15,10 @@ fn negative_and_oversized_java_ids_are_token_out_of_range() {
         assert_eq!(e.kind(), "token_out_of_range");
         let msg = e.to_string();
         let want = format!("token id {token} at input index {index} is out of range");
-        assert!(msg.contains(&want) && msg.contains("vocab size 512"), "{msg}");
+        assert!(
+            msg.contains(&want) && msg.contains("vocab size 512"),
+            "{msg}"
+        );
     }
     assert_eq!(token_ids("step", &[0, 511], 512).unwrap(), vec![0, 511]);
 }
