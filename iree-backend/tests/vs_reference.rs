@@ -235,7 +235,7 @@ fn kv_bytes_are_the_allocated_buffers(p: &Pair) {
 /// The real Gemma 3 270M (`$KVSNAP_REAL_MODEL`, default `models/gemma-3-270m`): parity with the
 /// reference on a prefill, an extend and steps, plus the timings of one 64-row chunk and one
 /// decode step. Run with `cargo test -p kvsnap-iree --release --test vs_reference -- --ignored
-/// --nocapture`.
+/// --nocapture` (`KVSNAP_REAL_TARGET=vulkan` for Vulkan device 0).
 #[test]
 #[ignore = "needs the real model and minutes of compile time"]
 fn real_model_parity_and_timings() {
@@ -252,7 +252,11 @@ fn real_model_parity_and_timings() {
         );
         return;
     }
-    let mut opts = IreeOptions::cpu();
+    // `KVSNAP_REAL_TARGET=vulkan` runs it on Vulkan device 0 instead of the CPU.
+    let mut opts = match std::env::var("KVSNAP_REAL_TARGET").as_deref() {
+        Ok("vulkan") => IreeOptions::vulkan(),
+        _ => IreeOptions::cpu(),
+    };
     opts.verbose = true;
     let iree = IreeModel::load(&dir, &opts).unwrap();
     let rep = iree.load_report();
