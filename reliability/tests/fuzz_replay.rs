@@ -18,7 +18,7 @@ fn replay(target: &str) {
 }
 
 fn replay_dir(dir: &Path, target: &str, body: &dyn Fn(&[u8])) {
-    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
         .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
         .map(|e| e.unwrap().path())
         .filter(|p| p.is_file())
