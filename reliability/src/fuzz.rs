@@ -492,7 +492,7 @@ pub fn seeds() -> Vec<(&'static str, Seeds)> {
                     6, 1, // release #1
                     8, 1, // budget 512 bytes
                     5, 0, // snapshot #0: over the budget
-                    1, 2, 1, 2, 0, 2, 210, 1, // prefill_embeddings, a row short
+                    1, 2, 1, 2, 0, 0, 210, // prefill_embeddings of [1, 2], one float short
                 ],
             )],
         ),
