@@ -9,6 +9,10 @@ use crate::error::{Error, Result};
 /// Default number of tokens a KV state may hold when the caller does not choose.
 pub const DEFAULT_CONTEXT_CAPACITY: usize = 4096;
 
+/// Most decoder layers a config may declare. Checked before anything is allocated per layer, so
+/// a hostile config cannot make the parser allocate gigabytes (the largest Gemma 3 has 62).
+pub const MAX_LAYERS: usize = 1024;
+
 /// The attention kind of one decoder layer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LayerKind {
@@ -77,6 +81,11 @@ impl ModelConfig {
 
         let hidden_size = p.usize("hidden_size", None)?;
         let num_layers = p.usize("num_hidden_layers", None)?;
+        if num_layers > MAX_LAYERS {
+            return Err(bad(format!(
+                "num_hidden_layers {num_layers} is more than kvsnap supports ({MAX_LAYERS})"
+            )));
+        }
         let num_attention_heads = p.usize("num_attention_heads", None)?;
         let num_key_value_heads = p.usize("num_key_value_heads", Some(num_attention_heads))?;
         let head_dim = p.usize("head_dim", Some(hidden_size / num_attention_heads.max(1)))?;
@@ -428,6 +437,14 @@ mod tests {
         .to_string();
         assert!(e.contains("not a multiple of num_key_value_heads 3"), "{e}");
         assert!(matches!(parse("[1,2]"), Err(Error::Config { .. })));
+        // Found by fuzzing: a huge layer count must be refused before anything is allocated.
+        let e = parse(r#"{"hidden_size":8,"num_hidden_layers":4000000000,"num_attention_heads":1,"intermediate_size":1,"vocab_size":1}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("num_hidden_layers 4000000000 is more than kvsnap supports"),
+            "{e}"
+        );
         assert!(matches!(parse("{"), Err(Error::Config { .. })));
     }
 

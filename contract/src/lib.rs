@@ -12,7 +12,7 @@ pub mod handles;
 mod model;
 mod tolerance;
 
-pub use config::{LayerKind, ModelConfig, DEFAULT_CONTEXT_CAPACITY};
+pub use config::{LayerKind, ModelConfig, DEFAULT_CONTEXT_CAPACITY, MAX_LAYERS};
 pub use dynamic::{DynModel, Session};
 pub use error::{Error, Result};
 pub use handles::HandleTable;

@@ -53,21 +53,24 @@ fn contract_ops() {
     replay("contract_ops");
 }
 
-/// Inputs of open issues outside this crate (`tests/fuzz_corpus/open/`), through the loaders
-/// without the fuzz targets' guards: each aborts the process out of memory (or takes seconds)
-/// until the loaders bound the layer count (see `fuzz::KNOWN_ISSUE_MAX_LAYERS`).
+/// Inputs that once aborted the process out of memory (`tests/fuzz_corpus/open/`: configs and
+/// GGUFs declaring billions of layers): the loaders now refuse them with a typed error before
+/// allocating anything per layer (`kvsnap_contract::MAX_LAYERS`).
 #[test]
-#[ignore = "open issue: config and GGUF loaders allocate per declared layer; aborts out of memory"]
-fn open_issues() {
+fn huge_layer_counts_are_refused() {
     let open = corpus("open");
     replay_dir(&open.join("config_json"), "config_json", &|bytes| {
         let text = String::from_utf8_lossy(bytes);
-        let _ = kvsnap_contract::ModelConfig::from_json(&text, Path::new("config.json"));
+        let e = kvsnap_contract::ModelConfig::from_json(&text, Path::new("config.json"))
+            .expect_err("a config with billions of layers must be refused");
+        assert!(e.to_string().contains("more than kvsnap supports"), "{e}");
     });
     replay_dir(&open.join("gguf"), "gguf", &|bytes| {
-        if let Ok(g) = kvsnap_reference::gguf::GgufFile::from_bytes(bytes.to_vec(), "open.gguf") {
-            let _ = kvsnap_reference::gguf::convert::hf_config(&g);
-        }
+        let g = kvsnap_reference::gguf::GgufFile::from_bytes(bytes.to_vec(), "open.gguf")
+            .expect("the GGUF itself parses");
+        let e = kvsnap_reference::gguf::convert::hf_config(&g)
+            .expect_err("a GGUF with billions of layers must be refused");
+        assert!(e.to_string().contains("more than kvsnap supports"), "{e}");
     });
 }
 

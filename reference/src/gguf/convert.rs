@@ -166,6 +166,12 @@ pub fn hf_config(gguf: &GgufFile) -> Result<Json> {
     }
     let hidden = m.usize("embedding_length")?;
     let layers = m.usize("block_count")?;
+    if layers > kvsnap_contract::MAX_LAYERS {
+        return Err(m.bad(format!(
+            "block_count {layers} is more than kvsnap supports ({})",
+            kvsnap_contract::MAX_LAYERS
+        )));
+    }
     let heads = m.usize("attention.head_count")?;
     let kv_heads = m.usize("attention.head_count_kv")?;
     let head_dim = m.usize("attention.key_length")?;
