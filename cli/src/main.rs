@@ -28,6 +28,8 @@ enum Command {
     Chat(commands::chat::Args),
     /// Performance scenarios (catalog, scaling, limits) measured against this machine's limits.
     Bench(commands::bench::Args),
+    /// Compile a model's IREE module once into a directory (MLIR, vmfb, description).
+    Export(commands::export::Args),
 }
 
 fn main() -> std::process::ExitCode {
@@ -38,6 +40,7 @@ fn main() -> std::process::ExitCode {
         Command::Parity(args) => commands::parity::run(args),
         Command::Demo(args) => commands::demo::run(args),
         Command::Bench(args) => commands::bench::run(args),
+        Command::Export(args) => commands::export::run(args),
         Command::Call(args) => commands::call::run(args),
         Command::Chat(args) => commands::chat::run(args),
     };

@@ -6,6 +6,7 @@ pub mod compile;
 pub mod emit;
 pub mod graphs;
 pub mod model;
+pub mod module;
 pub mod runtime;
 
-pub use model::{IreeKv, IreeModel, IreeOptions, LoadReport};
+pub use model::{compile_graphs, model_graphs, IreeKv, IreeModel, IreeOptions, LoadReport};

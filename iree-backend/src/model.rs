@@ -25,6 +25,9 @@ pub struct IreeOptions {
     pub target: Target,
     /// Vulkan device ordinal (ignored on the CPU).
     pub device: usize,
+    /// A directory written by `kvsnap export` to load the compiled module from, instead of
+    /// compiling (no IREE compiler needed); it must match this model's config.
+    pub module_dir: Option<std::path::PathBuf>,
     /// Chunk sizes to compile; 1 (the decode step) is always added.
     pub chunks: Vec<usize>,
     /// Context capacity in tokens (rows of the global layers' KV buffers); `None` keeps the
@@ -40,6 +43,7 @@ impl IreeOptions {
         IreeOptions {
             target: Target::LlvmCpu,
             device: 0,
+            module_dir: None,
             chunks: DEFAULT_CHUNKS.to_vec(),
             capacity: None,
             verbose: false,
@@ -131,10 +135,7 @@ impl IreeModel {
 
     /// Like [`IreeModel::load`] with an already parsed config.
     pub fn load_config(dir: &Path, cfg: ModelConfig, opts: &IreeOptions) -> Result<Self> {
-        let mut chunks = opts.chunks.clone();
-        chunks.push(1);
-        chunks.retain(|&c| c <= cfg.context_capacity);
-        let g = graphs::build(&cfg, &chunks);
+        let g = model_graphs(&cfg, opts);
 
         // The device first: a machine without one fails fast, before a long compile.
         let instance = Instance::new()?;
@@ -142,16 +143,16 @@ impl IreeModel {
             Target::LlvmCpu => Device::cpu(&instance)?,
             Target::VulkanSpirv => Device::vulkan(&instance, opts.device)?,
         };
-        let compiler = Compiler::discover()?;
-        let verbose = opts.verbose;
         let start = Instant::now();
-        let compiled = compiler.compile(&g.mlir, opts.target, &mut |p: &CompileProgress| {
-            if verbose {
-                eprintln!("{p}");
+        let (vmfb, cache_hit) = match &opts.module_dir {
+            Some(module_dir) => (crate::module::read(module_dir, opts.target, &g.mlir)?, true),
+            None => {
+                let compiled = compile_graphs(&g.mlir, opts.target, opts.verbose)?;
+                (compiled.vmfb, compiled.cache_hit)
             }
-        })?;
+        };
         let compile = start.elapsed();
-        let session = Session::new(&device, &compiled.vmfb)?;
+        let session = Session::new(&device, &vmfb)?;
 
         let file = Weights::open(&dir.join("model.safetensors"))?;
         let first = &g.manifest.entry_points[0];
@@ -167,7 +168,7 @@ impl IreeModel {
         let report = LoadReport {
             mlir_bytes: g.mlir.len(),
             compile,
-            cache_hit: compiled.cache_hit,
+            cache_hit,
             imports: device.import_stats(),
         };
         Ok(IreeModel {
@@ -356,6 +357,29 @@ impl IreeModel {
             status: status.to_string(),
         }
     }
+}
+
+/// The module `load` runs for `cfg` and `opts`: the chunk sizes of `opts` plus the decode step,
+/// those that fit the context capacity. `kvsnap export` compiles exactly this.
+pub fn model_graphs(cfg: &ModelConfig, opts: &IreeOptions) -> graphs::Graphs {
+    let mut chunks = opts.chunks.clone();
+    chunks.push(1);
+    chunks.retain(|&c| c <= cfg.context_capacity);
+    graphs::build(cfg, &chunks)
+}
+
+/// Compiles `mlir` for `target` through the on-disk cache, printing progress when `verbose`.
+pub fn compile_graphs(
+    mlir: &str,
+    target: Target,
+    verbose: bool,
+) -> Result<crate::compile::Compiled> {
+    let compiler = Compiler::discover()?;
+    compiler.compile(mlir, target, &mut |p: &CompileProgress| {
+        if verbose {
+            eprintln!("{p}");
+        }
+    })
 }
 
 impl KvModel for IreeModel {

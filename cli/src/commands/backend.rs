@@ -49,13 +49,17 @@ impl FromStr for Backend {
     }
 }
 
-/// IREE load options for `backend` (compile progress on stderr).
+/// IREE load options for `backend` (compile progress on stderr; the compiled module from
+/// `KVSNAP_MODULE_DIR`, a `kvsnap export` directory, when set).
 pub fn iree_options(backend: Backend) -> anyhow::Result<kvsnap_iree::IreeOptions> {
     let mut opts = match backend {
         Backend::IreeVulkan => kvsnap_iree::IreeOptions::vulkan(),
         _ => kvsnap_iree::IreeOptions::cpu(),
     };
     opts.verbose = true;
+    if let Some(dir) = std::env::var_os("KVSNAP_MODULE_DIR") {
+        opts.module_dir = Some(dir.into());
+    }
     if backend == Backend::IreeVulkan {
         if let Ok(ordinal) = std::env::var("KVSNAP_VULKAN_DEVICE") {
             opts.device = ordinal.parse().map_err(|_| {

@@ -5,6 +5,7 @@ pub mod bench;
 pub mod call;
 pub mod chat;
 pub mod demo;
+pub mod export;
 pub mod fetch;
 pub mod parity;
 pub mod tiny;

@@ -1,0 +1,78 @@
+//! `kvsnap export`: compile a model's IREE module once and write it to a directory, for
+//! inspection with IREE's own tools and for loading where no compiler exists
+//! (`--module-dir` / the JNI `moduleDir`).
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use anyhow::{bail, Context};
+use kvsnap_contract::{Error, ModelConfig};
+use kvsnap_iree::compile::{Compiler, Target};
+use kvsnap_iree::{model_graphs, module, IreeOptions};
+
+/// Arguments of `kvsnap export`.
+#[derive(clap::Args)]
+pub struct Args {
+    /// HF model directory (only config.json is read).
+    #[arg(long, default_value = "models/gemma-3-270m")]
+    model: PathBuf,
+    /// `llvm-cpu` or `vulkan-spirv`.
+    #[arg(long, default_value = "llvm-cpu")]
+    target: String,
+    /// Output directory.
+    #[arg(long)]
+    out: PathBuf,
+    /// Context capacity in tokens (default: the config's default).
+    #[arg(long)]
+    capacity: Option<usize>,
+}
+
+/// Builds, compiles (through the cache) and writes the module.
+pub fn run(args: Args) -> anyhow::Result<ExitCode> {
+    let target = match args.target.as_str() {
+        "llvm-cpu" => Target::LlvmCpu,
+        "vulkan-spirv" | "vulkan" => Target::VulkanSpirv,
+        other => bail!("unknown target `{other}` (known: llvm-cpu, vulkan-spirv)"),
+    };
+    let path = args.model.join("config.json");
+    let mut cfg = ModelConfig::from_file(&path)?;
+    if let Some(capacity) = args.capacity {
+        cfg = cfg
+            .with_context_capacity(capacity)
+            .map_err(|problem| Error::Config { path, problem })?;
+    }
+    let opts = IreeOptions {
+        target,
+        ..IreeOptions::cpu()
+    };
+    let graphs = model_graphs(&cfg, &opts);
+    let compiler = Compiler::discover()?;
+    let start = Instant::now();
+    let compiled = compiler.compile(&graphs.mlir, target, &mut |p| eprintln!("{p}"))?;
+    module::write(
+        &args.out,
+        target,
+        &graphs.mlir,
+        &compiled.vmfb,
+        compiler.version(),
+    )
+    .with_context(|| format!("writing the module to {}", args.out.display()))?;
+    let (mlir, vmfb, json) = module::paths(&args.out, target);
+    println!(
+        "exported {} ({} KB of MLIR, {} entry points) and {} ({:.1} MB) in {:.1} s; {}",
+        mlir.display(),
+        graphs.mlir.len() / 1024,
+        graphs.manifest.entry_points.len(),
+        vmfb.display(),
+        compiled.vmfb.len() as f64 / 1e6,
+        start.elapsed().as_secs_f64(),
+        json.display()
+    );
+    println!(
+        "load it with KVSNAP_MODULE_DIR={} (CLI) or moduleDir (JNI); run it with iree-run-module --module={}",
+        args.out.display(),
+        vmfb.display()
+    );
+    Ok(ExitCode::SUCCESS)
+}

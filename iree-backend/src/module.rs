@@ -1,0 +1,117 @@
+//! Compiled module directories: a module compiled once (`kvsnap export`) and loaded later
+//! without the IREE compiler, as on a phone or a GPU machine without Python.
+//!
+//! A directory holds, per target, `kvsnap.<target>.mlir`, `kvsnap.<target>.vmfb` and
+//! `kvsnap.<target>.json` (format, target, sha256 of the MLIR, compiler version). Loading checks
+//! that the module was compiled from exactly the MLIR this model's config produces, so a module
+//! built for another config (vocab, layers, capacity, chunk sizes) is a typed error, not a crash
+//! inside IREE.
+
+use std::path::{Path, PathBuf};
+
+use kvsnap_contract::{Error, Result};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use crate::compile::Target;
+
+/// Format name written into a module's JSON.
+pub const FORMAT: &str = "kvsnap-iree-module";
+
+/// What a module's JSON records.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ModuleInfo {
+    /// Always [`FORMAT`].
+    pub format: String,
+    /// The target name (`llvm-cpu`, `vulkan-spirv`).
+    pub target: String,
+    /// sha256 (hex) of the MLIR the vmfb was compiled from.
+    pub mlir_sha256: String,
+    /// `iree-compile --version` of the compiler that made it.
+    pub compiler: String,
+}
+
+/// Paths of the three files of `target` in `dir`.
+pub fn paths(dir: &Path, target: Target) -> (PathBuf, PathBuf, PathBuf) {
+    let file = |ext: &str| dir.join(format!("kvsnap.{}.{ext}", target.name()));
+    (file("mlir"), file("vmfb"), file("json"))
+}
+
+/// sha256 (hex) of `mlir`.
+pub fn mlir_sha256(mlir: &str) -> String {
+    Sha256::digest(mlir.as_bytes())
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// Writes the module of `target` into `dir` (created if missing).
+pub fn write(dir: &Path, target: Target, mlir: &str, vmfb: &[u8], compiler: &str) -> Result<()> {
+    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    let (mlir_path, vmfb_path, json_path) = paths(dir, target);
+    let info = ModuleInfo {
+        format: FORMAT.into(),
+        target: target.name().into(),
+        mlir_sha256: mlir_sha256(mlir),
+        compiler: compiler.into(),
+    };
+    let json = serde_json::to_string_pretty(&info).expect("ModuleInfo serialises");
+    for (path, bytes) in [
+        (&mlir_path, mlir.as_bytes()),
+        (&vmfb_path, vmfb),
+        (&json_path, json.as_bytes()),
+    ] {
+        std::fs::write(path, bytes).map_err(|e| Error::io(path, e))?;
+    }
+    Ok(())
+}
+
+/// Reads the vmfb of `target` from `dir`, checking it was compiled from `mlir`.
+pub fn read(dir: &Path, target: Target, mlir: &str) -> Result<Vec<u8>> {
+    let (_, vmfb_path, json_path) = paths(dir, target);
+    let bad = |problem: String| Error::Format {
+        path: json_path.clone(),
+        format: "kvsnap IREE module",
+        problem,
+    };
+    let text = std::fs::read_to_string(&json_path).map_err(|e| Error::io(&json_path, e))?;
+    let info: ModuleInfo =
+        serde_json::from_str(&text).map_err(|e| bad(format!("not a module description: {e}")))?;
+    if info.format != FORMAT || info.target != target.name() {
+        return Err(bad(format!(
+            "format `{}` for target `{}`, expected `{FORMAT}` for `{}`",
+            info.format,
+            info.target,
+            target.name()
+        )));
+    }
+    let want = mlir_sha256(mlir);
+    if info.mlir_sha256 != want {
+        return Err(bad(format!(
+            "compiled for another model config (MLIR sha256 {}, this model's graphs are {want}): \
+             re-run `kvsnap export` for this model",
+            info.mlir_sha256
+        )));
+    }
+    std::fs::read(&vmfb_path).map_err(|e| Error::io(&vmfb_path, e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trip_and_mismatch() {
+        let dir = std::env::temp_dir().join(format!("kvsnap-module-{}", std::process::id()));
+        write(&dir, Target::LlvmCpu, "module {}", b"vmfb", "test").unwrap();
+        assert_eq!(read(&dir, Target::LlvmCpu, "module {}").unwrap(), b"vmfb");
+        let e = read(&dir, Target::LlvmCpu, "module { other }").unwrap_err();
+        assert!(
+            e.to_string().contains("compiled for another model config"),
+            "{e}"
+        );
+        let e = read(&dir, Target::VulkanSpirv, "module {}").unwrap_err();
+        assert!(matches!(e, Error::Io { .. }), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
