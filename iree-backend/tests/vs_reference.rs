@@ -329,3 +329,72 @@ fn real_model_parity_and_timings() {
         snapshot.as_secs_f64() * 1e3
     );
 }
+
+/// The head's two-stage argmax over the real vocab (262144) with planted maxima past the
+/// 65535-iteration shader loop limit, ties, NaN and -inf, on each target that is available.
+#[test]
+fn argmax_with_planted_maxima_on_every_target() {
+    use kvsnap_iree::graphs::argmax_module;
+    use kvsnap_iree::runtime::{BufferView, Device, Instance, Session};
+    use kvsnap_reference::tiny::config;
+
+    let Ok(compiler) = Compiler::discover() else {
+        eprintln!("SKIPPED: iree-compile not found");
+        return;
+    };
+    let cfg = config(Preset::RealShapes);
+    let vocab = cfg.vocab_size;
+    let mlir = argmax_module(&cfg);
+    let instance = Instance::new().unwrap();
+    for target in [Target::LlvmCpu, Target::VulkanSpirv] {
+        let device = match target {
+            Target::LlvmCpu => Device::cpu(&instance).unwrap(),
+            Target::VulkanSpirv => match Device::vulkan(&instance, 0) {
+                Ok(d) => d,
+                Err(e) => {
+                    eprintln!("SKIPPED: no Vulkan device ({e})");
+                    continue;
+                }
+            },
+        };
+        let vmfb = compiler.compile(&mlir, target, &mut |_| {}).unwrap().vmfb;
+        let session = Session::new(&device, &vmfb).unwrap();
+        let run = |logits: &[f32]| -> u32 {
+            let input = BufferView::from_f32(&device, &[vocab], logits).unwrap();
+            let out = session.call("argmax", &[&input]).unwrap();
+            out[0].to_i32_vec().unwrap()[0] as u32
+        };
+        let base: Vec<f32> = (0..vocab)
+            .map(|i| ((i * 7919) % 1000) as f32 * 1e-3)
+            .collect();
+        for planted in [
+            0,
+            511,
+            512,
+            65534,
+            65535,
+            65536,
+            131_071,
+            200_000,
+            vocab - 1,
+        ] {
+            let mut l = base.clone();
+            l[planted] = 5.0;
+            assert_eq!(
+                run(&l),
+                planted as u32,
+                "{}: max at {planted}",
+                target.name()
+            );
+            assert_eq!(run(&l), kvsnap_contract::argmax(&l));
+        }
+        // Ties go to the lowest index; NaN never wins; all -inf gives 0.
+        let mut l = base.clone();
+        l[70_000] = 5.0;
+        l[250_000] = 5.0;
+        l[3] = f32::NAN;
+        l[100_000] = f32::NAN;
+        assert_eq!(run(&l), 70_000, "{}: tie and NaN", target.name());
+        assert_eq!(run(&vec![f32::NEG_INFINITY; vocab]), 0, "{}", target.name());
+    }
+}

@@ -519,7 +519,7 @@ impl<'a> Forward<'a> {
 
     /// Two-stage argmax of `[vocab]` logits: NaN counts as -inf (never wins), ties go to the
     /// lowest index, as `kvsnap_contract::argmax`.
-    fn argmax(&mut self, logits: &Value) -> Value {
+    pub fn argmax(&mut self, logits: &Value) -> Value {
         let vocab = logits.dims()[0];
         let outer = vocab.div_ceil(ARGMAX_INNER);
         let nan = self.b.compare(Cmp::Ne, logits, logits);

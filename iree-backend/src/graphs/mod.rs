@@ -122,6 +122,19 @@ pub fn build(cfg: &ModelConfig, chunks: &[usize]) -> Graphs {
     }
 }
 
+/// A module `@argmax(logits: tensor<{vocab}xf32>) -> tensor<i32>` holding the head's two-stage
+/// argmax alone, to test it with planted maxima on each target (a one-pass argmax over 262144
+/// logits returned the argmax of the first 65535 on lavapipe; see IREE-NOTES).
+pub fn argmax_module(cfg: &ModelConfig) -> String {
+    let mut b = FuncBuilder::new("argmax");
+    let logits = b.arg(TensorType::f32(&[cfg.vocab_size]));
+    let mut f = Forward { b, cfg };
+    let next = f.argmax(&logits);
+    let mut module = Module::new("argmax");
+    module.push(f.b.finish(&[&next]));
+    module.text()
+}
+
 fn arg_type(spec: &TensorSpec) -> TensorType {
     match spec.dtype {
         DType::F32 => TensorType::f32(&spec.dims),
