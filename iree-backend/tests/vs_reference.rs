@@ -91,8 +91,10 @@ fn ids(n: usize, seed: u64) -> Vec<u32> {
         .collect()
 }
 
+/// Asserts `got` matches `want` (logits within `Tolerance::LOGITS`, same token); returns the
+/// largest logit difference.
 #[track_caller]
-fn assert_close(what: &str, got: &Next, want: &Next) {
+fn assert_close(what: &str, got: &Next, want: &Next) -> f64 {
     let (g, w) = (
         got.logits.as_ref().expect("iree logits"),
         want.logits.as_ref().expect("reference logits"),
@@ -114,6 +116,7 @@ fn assert_close(what: &str, got: &Next, want: &Next) {
         w[at]
     );
     assert_eq!(got.token, want.token, "{what}: next token");
+    worst
 }
 
 fn prefill_extend_step_match_the_reference(p: &Pair) {
@@ -276,17 +279,18 @@ fn real_model_parity_and_timings() {
 
     let (mut a, na) = iree.prefill(&seq[..100], r).unwrap();
     let (mut b, nb) = reference.prefill(&seq[..100], r).unwrap();
-    assert_close("real prefill 100", &na, &nb);
+    let mut worst = assert_close("real prefill 100", &na, &nb);
     let na = iree.extend(&mut a, &seq[100..120], r).unwrap();
     let nb = reference.extend(&mut b, &seq[100..120], r).unwrap();
-    assert_close("real extend 20", &na, &nb);
+    worst = worst.max(assert_close("real extend 20", &na, &nb));
     let mut t = na.token;
     for i in 0..5 {
         let na = iree.step(&mut a, t, r).unwrap();
         let nb = reference.step(&mut b, t, r).unwrap();
-        assert_close(&format!("real step {i}"), &na, &nb);
+        worst = worst.max(assert_close(&format!("real step {i}"), &na, &nb));
         t = na.token;
     }
+    eprintln!("largest logit difference from the reference: {worst:.2e}");
 
     // Timings: min and median over repetitions (the min is robust to other load on the box).
     let stats = |mut ms: Vec<f64>| {
