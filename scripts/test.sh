@@ -15,13 +15,17 @@ export KVSNAP_REQUIRE_MODEL=1
 export KVSNAP_MODEL_DIR="$ROOT/models/gemma-3-270m"
 cargo test --release --workspace
 
-echo "== parity: tiny model goldens"
+echo "== parity: tiny model goldens, every backend (iree-vulkan on lavapipe)"
 TINY="$ROOT/target/kvsnap-tiny"
 "$KVSNAP" tiny-model --out "$TINY"
-"$KVSNAP" parity --model "$TINY" --goldens goldens/tiny.json --backend reference
+for backend in reference iree-cpu iree-vulkan; do
+    "$KVSNAP" parity --model "$TINY" --goldens goldens/tiny.json --backend "$backend"
+done
 
 echo "== parity: real model, visible oracle goldens"
-"$KVSNAP" parity --model models/gemma-3-270m --goldens goldens/gemma-3-270m.visible.json --backend reference
+REAL_GOLDENS=goldens/gemma-3-270m.visible.json
+"$KVSNAP" parity --model models/gemma-3-270m --goldens "$REAL_GOLDENS" --backend reference
+"$KVSNAP" parity --model models/gemma-3-270m --goldens "$REAL_GOLDENS" --backend iree-cpu
 echo "== JNI: the Java API and test against the built cdylib"
 bash scripts/test-jni.sh
 echo "test.sh: all passed"
