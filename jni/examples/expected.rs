@@ -8,6 +8,12 @@
 //!     prints the catalog flow: a PREFIX-token prefix prefilled once and snapshotted, then TURNS
 //!     turns, each extending a copy of the snapshot by UTTERANCE tokens and stepping STEPS
 //!     times greedily
+//! expected module MODEL_DIR OUT_DIR [CAPACITY]
+//!     compiles the llvm-cpu module `iree-cpu` loads for MODEL_DIR (with CAPACITY instead of the
+//!     config's context capacity: a module for another config) and writes it to OUT_DIR, as
+//!     `kvsnap export` does, for the Java test's `moduleDir` checks
+//! expected vulkan
+//!     exits 0 when IREE opens Vulkan device 0 (a GPU or lavapipe), 1 with IREE's text if not
 //! ```
 //!
 //! Output of `flow`, one record per line, numbers separated by spaces:
@@ -22,7 +28,10 @@
 use std::path::Path;
 use std::process::ExitCode;
 
-use kvsnap_contract::{KvModel, Logits, Result};
+use kvsnap_contract::{Error, KvModel, Logits, ModelConfig, Result};
+use kvsnap_iree::compile::{Compiler, Target};
+use kvsnap_iree::runtime::{Device, Instance};
+use kvsnap_iree::{model_graphs, module, IreeOptions};
 use kvsnap_reference::tiny::{self, Preset, DEFAULT_SEED};
 use kvsnap_reference::ReferenceModel;
 
@@ -44,6 +53,14 @@ fn main() -> ExitCode {
                 _ => return usage(),
             }
         }
+        ["module", dir, out] => export(Path::new(dir), Path::new(out), None),
+        ["module", dir, out, capacity] => match capacity.parse::<usize>() {
+            Ok(c) => export(Path::new(dir), Path::new(out), Some(c)),
+            Err(_) => return usage(),
+        },
+        ["vulkan"] => Instance::new()
+            .and_then(|i| Device::vulkan(&i, 0))
+            .map(|_| ()),
         _ => return usage(),
     };
     match result {
@@ -57,7 +74,8 @@ fn main() -> ExitCode {
 
 fn usage() -> ExitCode {
     eprintln!(
-        "usage: expected tiny OUT_DIR\n       expected flow MODEL_DIR PREFIX TURNS UTTERANCE STEPS SEED"
+        "usage: expected tiny OUT_DIR\n       expected flow MODEL_DIR PREFIX TURNS UTTERANCE STEPS SEED\n       \
+         expected module MODEL_DIR OUT_DIR [CAPACITY]\n       expected vulkan"
     );
     ExitCode::from(2)
 }
@@ -116,4 +134,25 @@ fn flow(
         println!("turn {} -> {}", join(&utter), join(&out));
     }
     m.release(catalog)
+}
+
+/// Writes the llvm-cpu module of `dir`'s config (with `capacity`, if given) to `out`.
+fn export(dir: &Path, out: &Path, capacity: Option<usize>) -> Result<()> {
+    let path = dir.join("config.json");
+    let mut cfg = ModelConfig::from_file(&path)?;
+    if let Some(c) = capacity {
+        cfg = cfg
+            .with_context_capacity(c)
+            .map_err(|problem| Error::Config { path, problem })?;
+    }
+    let graphs = model_graphs(&cfg, &IreeOptions::cpu());
+    let compiler = Compiler::discover()?;
+    let compiled = compiler.compile(&graphs.mlir, Target::LlvmCpu, &mut |_| {})?;
+    module::write(
+        out,
+        Target::LlvmCpu,
+        &graphs.mlir,
+        &compiled.vmfb,
+        compiler.version(),
+    )
 }

@@ -4,8 +4,10 @@ use std::path::Path;
 use std::sync::{Arc, LazyLock};
 
 use kvsnap_contract::handles::reason;
-use kvsnap_contract::{DynModel, Error, HandleTable, Result, Session};
-use kvsnap_reference::ReferenceModel;
+use kvsnap_contract::{check, DynModel, Error, HandleTable, KvModel, ModelConfig, Result, Session};
+use kvsnap_iree::compile::Target;
+use kvsnap_iree::{IreeModel, IreeOptions};
+use kvsnap_reference::{ReferenceModel, Weights};
 
 use crate::bridge::{BridgeError, BridgeResult};
 
@@ -78,12 +80,14 @@ pub fn open(opts: OpenOptions<'_>) -> BridgeResult<OpenModel> {
                 embedding_rows: Some(Box::new(move |ids| gather.embedding_rows(ids))),
             })
         }
-        // IREE BACKENDS GO HERE: when kvsnap-iree's `IreeModel` implements `KvModel`, load it
-        // from (model_dir, module_dir, device) and return
-        // `OpenModel { session: Box::new(Session::new(model)), embedding_rows: None }`
-        // (or a host gather from the model's embedding table, for the Vulkan default).
-        "iree-cpu" => Err(not_built("iree-cpu")),
-        "iree-vulkan" => Err(not_built("iree-vulkan")),
+        "iree-cpu" | "iree-vulkan" => {
+            let model = IreeModel::load(opts.model_dir, &iree_options(opts)?)?;
+            let gather = host_embeddings(opts.model_dir, model.config())?;
+            Ok(OpenModel {
+                session: Box::new(Session::new(model)),
+                embedding_rows: Some(gather),
+            })
+        }
         other => Err(BridgeError::BadArgument {
             op,
             problem: format!("unknown backend `{other}` (known: {})", BACKENDS.join(", ")),
@@ -91,10 +95,59 @@ pub fn open(opts: OpenOptions<'_>) -> BridgeResult<OpenModel> {
     }
 }
 
-fn not_built(backend: &'static str) -> BridgeError {
-    BridgeError::Kv(Error::Unsupported {
-        backend,
-        op: "open (this backend is not built into this library yet)",
+/// Gathers embedding rows on the host from the memory-mapped `model.safetensors` (the IREE
+/// backends' own copy of the table is on the device; mapping the file again costs no memory
+/// until rows are read).
+fn host_embeddings(dir: &Path, cfg: &ModelConfig) -> Result<EmbeddingRows> {
+    let weights = Weights::open(&dir.join("model.safetensors"))?;
+    let (vocab, h) = (cfg.vocab_size, cfg.hidden_size);
+    let table = weights.tensor("model.embed_tokens.weight", &[vocab, h])?;
+    let cfg = cfg.clone();
+    Ok(Box::new(move |ids| {
+        check::tokens(&cfg, "embedding_rows", 0, ids)?;
+        let table: &[f32] = &table;
+        Ok(ids
+            .iter()
+            .flat_map(|&id| &table[id as usize * h..(id as usize + 1) * h])
+            .copied()
+            .collect())
+    }))
+}
+
+/// The IREE options of `opts`: its module dir, and the Vulkan device ordinal (`device` is a
+/// non-negative integer; the CPU takes none, or `cpu`).
+fn iree_options(opts: OpenOptions<'_>) -> BridgeResult<IreeOptions> {
+    let op = "open";
+    let (base, target) = match opts.backend {
+        "iree-vulkan" => (IreeOptions::vulkan(), Target::VulkanSpirv),
+        _ => (IreeOptions::cpu(), Target::LlvmCpu),
+    };
+    let device = match (target, opts.device) {
+        (_, None) => 0,
+        (Target::LlvmCpu, Some("cpu")) => 0,
+        (Target::LlvmCpu, Some(other)) => {
+            return Err(BridgeError::BadArgument {
+                op,
+                problem: format!("the iree-cpu backend runs on `cpu`, not `{other}`"),
+            })
+        }
+        (Target::VulkanSpirv, Some(ordinal)) => {
+            ordinal
+                .trim()
+                .parse::<usize>()
+                .map_err(|e| BridgeError::BadArgument {
+                    op,
+                    problem: format!(
+                        "iree-vulkan device `{ordinal}` is not a Vulkan device ordinal \
+                         (0, 1, ...): {e}"
+                    ),
+                })?
+        }
+    };
+    Ok(IreeOptions {
+        device,
+        module_dir: opts.module_dir.map(Path::to_path_buf),
+        ..base
     })
 }
 
@@ -192,11 +245,28 @@ mod tests {
             ..reference(dir)
         })
         .contains("unknown backend `cuda` (known: reference, iree-cpu, iree-vulkan)"));
+        for device in ["-1", "gpu0", "1.5"] {
+            let e = open(OpenOptions {
+                backend: "iree-vulkan",
+                device: Some(device),
+                ..reference(dir)
+            })
+            .err()
+            .expect("a bad ordinal must fail");
+            assert!(matches!(e, BridgeError::BadArgument { .. }), "{e:?}");
+            assert!(
+                e.to_string().contains(&format!(
+                    "iree-vulkan device `{device}` is not a Vulkan device ordinal"
+                )),
+                "{e}"
+            );
+        }
         assert!(err(OpenOptions {
-            backend: "iree-vulkan",
+            backend: "iree-cpu",
+            device: Some("0"),
             ..reference(dir)
         })
-        .contains("iree-vulkan does not support open"));
+        .contains("the iree-cpu backend runs on `cpu`, not `0`"));
         assert!(err(OpenOptions {
             module_dir: Some(Path::new("/m")),
             ..reference(dir)

@@ -23,11 +23,12 @@ import java.util.stream.Stream;
  *
  * <pre>
  * java -Dkvsnap.library.path=LIB -cp CLASSES dev.kvsnap.JniTest \
- *     --model NAME BACKEND DIR EXPECTED [--model ...] [--skip NAME REASON]
+ *     --model NAME BACKEND DIR EXPECTED [--model ...] [--modules MATCHING OTHER] [--skip NAME REASON]
  * </pre>
  *
  * The first model is the tiny one: the error and thread tests run on it (open with default
- * module dir and device). Prints one line per
+ * module dir and device), and the {@code moduleDir} checks on iree-cpu with the two exported
+ * module directories of {@code --modules} (one for the tiny model, one for another config). Prints one line per
  * check and closes with {@code jni: N passed, N failed[, N skipped]}; exits 1 on any failure.
  */
 public final class JniTest {
@@ -157,6 +158,15 @@ public final class JniTest {
 
     /** The catalog flow and the embeddings variant, compared with the Rust API's tokens. */
     void flowChecks(String name, String dir, Expected e) {
+        long start = System.nanoTime();
+        try {
+            flowChecksTimed(name, dir, e);
+        } finally {
+            System.out.printf("      (%s: %.1f s)%n", name, (System.nanoTime() - start) / 1e9);
+        }
+    }
+
+    private void flowChecksTimed(String name, String dir, Expected e) {
         KvModel[] opened = new KvModel[1];
         check(name + ": open", () -> {
             opened[0] = open(dir);
@@ -399,18 +409,35 @@ public final class JniTest {
         check("open: unknown backend -> IllegalArgumentException listing the known ones", () ->
                 assertThrows(IllegalArgumentException.class, () -> KvModel.open("cuda", dir, null, null),
                         "open: unknown backend `cuda`", "reference, iree-cpu, iree-vulkan"));
-        check("open: IREE backends -> UnsupportedOperationException until built in, then load errors", () -> {
+        check("open: IREE backends, missing model dir -> KvsnapException(io) naming the dir", () -> {
             String missing = scratch.resolve("no-such-model").toString();
             for (String b : new String[] {"iree-cpu", "iree-vulkan"}) {
-                try {
-                    KvModel.open(b, missing, null, null).close();
-                    throw new AssertionError(b + ": opening a missing model dir succeeded");
-                } catch (UnsupportedOperationException e) {
-                    assertEq(true, e.getMessage().contains(b + " does not support open"), "message `" + e.getMessage() + "`");
-                } catch (KvsnapException e) {
-                    assertEq(true, e.getMessage().contains(missing), "message `" + e.getMessage() + "` names the dir");
-                }
+                KvsnapException ex = assertThrows(KvsnapException.class, () -> KvModel.open(b, missing, null, null),
+                        missing, "config.json");
+                assertEq("io", ex.kind(), b + " kind");
             }
+        });
+        check("open: IREE device that is not an ordinal, or a device for iree-cpu -> IllegalArgumentException", () -> {
+            for (String d : new String[] {"gpu", "-1", "1.5"}) {
+                assertThrows(IllegalArgumentException.class, () -> KvModel.open("iree-vulkan", dir, null, d),
+                        "open: iree-vulkan device `" + d + "` is not a Vulkan device ordinal");
+            }
+            assertThrows(IllegalArgumentException.class, () -> KvModel.open("iree-cpu", dir, null, "0"),
+                    "open: the iree-cpu backend runs on `cpu`, not `0`");
+        });
+        check("open: a Vulkan device that does not exist (99) -> KvsnapException(backend) naming it", () -> {
+            if (!Boolean.getBoolean("kvsnap.test.vulkan")) {
+                // No Vulkan device at all: the driver's empty list is a capability this machine lacks.
+                assertThrows(UnsupportedOperationException.class, () -> KvModel.open("iree-vulkan", dir, null, "99"),
+                        "iree-vulkan", "found none");
+                return;
+            }
+            KvsnapException ex = assertThrows(KvsnapException.class, () -> KvModel.open("iree-vulkan", dir, null, "99"),
+                    "open Vulkan device 99", "ordinal out of range");
+            assertEq("backend", ex.kind(), "kind");
+            assertEq("iree-vulkan", ex.backend(), "backend");
+            assertEq(true, ex.status() != null && ex.status().contains("the driver found"), "status `" + ex.status() + "`");
+            System.out.println("      (" + ex.getMessage() + ")");
         });
         check("open: options the reference does not take -> IllegalArgumentException", () -> {
             assertThrows(IllegalArgumentException.class, () -> KvModel.open("reference", dir, "/some/module", null),
@@ -424,18 +451,46 @@ public final class JniTest {
         });
     }
 
+    /**
+     * {@code moduleDir} on iree-cpu: a module exported for the tiny model loads without compiling
+     * and gives the Rust tokens; one exported for another config (another capacity) is refused.
+     */
+    void moduleChecks(String dir, Expected e, String matching, String other) {
+        check("moduleDir: iree-cpu from an exported module gives the Rust tokens", () -> {
+            try (KvModel m = KvModel.open("iree-cpu", dir, matching, null); KvState catalog = m.prefill(e.prefix)) {
+                assertEq("iree-cpu", m.backend(), "backend");
+                assertEq(e.prefill, catalog.nextToken(), "prefill token");
+                assertEq(e.outputs.get(0), turn(catalog, e.utterances.get(0), e.steps()), "turn 0");
+            }
+        });
+        check("moduleDir: a module built for another config -> KvsnapException(format)", () -> {
+            KvsnapException ex = assertThrows(KvsnapException.class, () -> KvModel.open("iree-cpu", dir, other, null),
+                    "compiled for another model config", "kvsnap.llvm-cpu.json");
+            assertEq("format", ex.kind(), "kind");
+        });
+        check("moduleDir: a directory without a module -> KvsnapException(io) naming the file", () -> {
+            KvsnapException ex = assertThrows(KvsnapException.class, () -> KvModel.open("iree-cpu", dir, dir, null),
+                    "kvsnap.llvm-cpu.json");
+            assertEq("io", ex.kind(), "kind");
+        });
+    }
+
     public static void main(String[] args) throws Exception {
         JniTest t = new JniTest();
         List<String[]> models = new ArrayList<>();
+        String[] modules = null;
         for (int i = 0; i < args.length; ) {
             if (args[i].equals("--model") && i + 4 < args.length) {
                 models.add(new String[] {args[i + 1], args[i + 2], args[i + 3], args[i + 4]});
                 i += 5;
+            } else if (args[i].equals("--modules") && i + 2 < args.length) {
+                modules = new String[] {args[i + 1], args[i + 2]};
+                i += 3;
             } else if (args[i].equals("--skip") && i + 2 < args.length) {
                 t.skip(args[i + 1], args[i + 2]);
                 i += 3;
             } else {
-                System.err.println("usage: JniTest --model NAME BACKEND DIR EXPECTED ... [--skip NAME REASON]");
+                System.err.println("usage: JniTest --model NAME BACKEND DIR EXPECTED ... [--modules MATCHING OTHER] [--skip NAME REASON]");
                 System.exit(2);
             }
         }
@@ -454,6 +509,9 @@ public final class JniTest {
                 // A failure outside a check (opening the model for a group) fails the group.
                 t.check("thread checks ran", () -> t.threadChecks(dir, e));
                 t.check("error checks ran", () -> t.errorChecks(dir, e));
+                if (modules != null) {
+                    t.moduleChecks(dir, e, modules[0], modules[1]);
+                }
             }
         }
         String closing = "jni: " + t.passed + " passed, " + t.failed + " failed";
