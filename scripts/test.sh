@@ -26,6 +26,10 @@ echo "== parity: real model, visible oracle goldens"
 REAL_GOLDENS=goldens/gemma-3-270m.visible.json
 "$KVSNAP" parity --model models/gemma-3-270m --goldens "$REAL_GOLDENS" --backend reference
 "$KVSNAP" parity --model models/gemma-3-270m --goldens "$REAL_GOLDENS" --backend iree-cpu
+# lavapipe is 10-40x slower than llvm-cpu: CI runs the stated subset `short` + `catalog_tv` (882
+# tokens, crosses the 512-key window); the full set's run is in docs/BENCHMARKS.md.
+"$KVSNAP" parity --model models/gemma-3-270m --goldens "$REAL_GOLDENS" --backend iree-vulkan \
+    --cases short,catalog_tv
 echo "== JNI: the Java API and test against the built cdylib"
 bash scripts/test-jni.sh
 echo "test.sh: all passed"
