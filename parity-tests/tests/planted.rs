@@ -12,11 +12,18 @@
 //!   prefill of the same wrong model (`chunking_invariance` passes). The oracle's goldens catch
 //!   it (`window_and_capacity_crossing`), and so does the comparison with the reference
 //!   (`tokens_and_logits_agree`).
+//!
+//! Both are also caught by the slow backends' configuration (`Checks::Lean`, `SLOW_CASES`
+//! scripts of up to `SLOW_MAX_OPS` ops): the replays it keeps are those of forked slots, and the
+//! reference's one-shot replaces the backend's own.
 
 use std::path::Path;
 
 use kvsnap_contract::{KvModel, Logits, ModelConfig, Next, Result};
-use kvsnap_parity::props::{with_tiny_model, Property, PropertyFailure, Suite, TINY_CAPACITY};
+use kvsnap_parity::props::{
+    with_tiny_model, Checks, Property, PropertyFailure, Suite, SLOW_CASES, SLOW_MAX_OPS,
+    TINY_CAPACITY,
+};
 use kvsnap_parity::GoldenSet;
 use kvsnap_reference::{ReferenceKv, ReferenceModel};
 
@@ -173,6 +180,14 @@ fn suite<M: KvModel>(load: impl FnOnce(&Path, usize) -> Result<M>) -> Suite<M> {
     Suite::new("planted", model, reference, goldens, (10, 12, 256))
 }
 
+/// `suite` as a slow backend runs: the lean truths on fewer, shorter scripts.
+fn slow<M: KvModel>(suite: Suite<M>) -> Suite<M> {
+    suite
+        .with_checks(Checks::Lean)
+        .with_cases(SLOW_CASES)
+        .with_max_ops(SLOW_MAX_OPS)
+}
+
 /// Asserts that `property` fails on `suite` against `truth`, with a message that names the
 /// backend, the op sequence and the first diverging position; returns the failure.
 fn assert_caught<M: KvModel>(
@@ -219,6 +234,10 @@ fn planted_logit_error_is_caught() {
     assert_eq!(failure.script.0.len(), 2, "{failure}");
     // Without snapshots the error is invisible: one ulp is far inside the tolerance.
     suite.assert(Property::ChunkingInvariance);
+    // The lean truths keep the replays of forked slots, which is where it shows.
+    let suite = slow(suite);
+    let failure = assert_caught(&suite, Property::SnapshotIndependence, "bit-exact");
+    assert_eq!(failure.script.0.len(), 2, "{failure}");
 }
 
 #[test]
@@ -239,4 +258,9 @@ fn planted_window_off_by_one_is_caught() {
     // Next to the reference, any script past the window shows it.
     suite.cross = true;
     assert_caught(&suite, Property::TokensAndLogitsAgree, "reference");
+    // So do the slow backends' lean truths: the reference's one-shot is their truth.
+    let mut suite = slow(suite);
+    assert_caught(&suite, Property::TokensAndLogitsAgree, "reference");
+    suite.cross = false;
+    assert_caught(&suite, Property::WindowAndCapacityCrossing, "golden case");
 }

@@ -1,5 +1,6 @@
 //! Property-test parity: every property of `kvsnap_parity::props` as a named test per backend
-//! (`reference::snapshot_independence`, ...), on the tiny model with 256 scripts each, plus
+//! (`reference::snapshot_independence`, ...), on the tiny model with 256 scripts each (52 of up
+//! to 6 ops with the lean truths on `iree_vulkan`: 256 sequences per backend), plus
 //! `#[ignore]`d heavy runs on the real model (`<backend>::real_model::...`).
 //!
 //! A failing property prints its shrunk script as a `#[test]` calling `<backend>::replay`:
@@ -10,6 +11,7 @@ use std::path::Path;
 use kvsnap_contract::{Error, Result};
 use kvsnap_iree::compile::{Compiler, Target};
 use kvsnap_iree::{IreeModel, IreeOptions};
+use kvsnap_parity::props::{Checks, SLOW_CASES, SLOW_MAX_OPS};
 use kvsnap_reference::ReferenceModel;
 
 kvsnap_parity::backend_props!(
@@ -22,12 +24,16 @@ kvsnap_parity::backend_props!(iree_cpu, IreeModel, |dir, cap| load_iree(
     cap,
     Target::LlvmCpu
 ));
-// Vulkan on lavapipe (CI) costs about 3 s per script with every truth: 16 scripts per property.
+// Vulkan on lavapipe (CI) is slow: 5 x 52 scripts (256 sequences per backend) of up to 6 ops,
+// with the lean truths (bit-exact replays of forked slots only, the reference's one-shot as the
+// truth).
 kvsnap_parity::backend_props!(
     iree_vulkan,
     IreeModel,
     |dir, cap| load_iree(dir, cap, Target::VulkanSpirv),
-    cases = 16
+    cases = SLOW_CASES,
+    checks = Checks::Lean,
+    max_ops = SLOW_MAX_OPS
 );
 
 /// `IreeModel` on `target` with `capacity`; `Unsupported` (the tests skip) without a 3.13

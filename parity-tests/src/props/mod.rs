@@ -30,12 +30,12 @@ mod strategy;
 mod suite;
 
 pub use compare::Divergence;
-pub use driver::{Driver, Stats, Truths};
+pub use driver::{Checks, Driver, Stats, Truths};
 pub use op::{Op, Script};
 pub use strategy::Shape;
 pub use suite::{
     with_tiny_model, workspace, Property, PropertyFailure, Suite, DEFAULT_PROPS_SEED,
-    REAL_CAPACITY, REAL_CASES, TINY_CAPACITY, TINY_CASES,
+    REAL_CAPACITY, REAL_CASES, SLOW_CASES, SLOW_MAX_OPS, TINY_CAPACITY, TINY_CASES,
 };
 
 /// Instantiates every [`Property`] as a `#[test]` in a module named after a backend, plus
@@ -43,13 +43,19 @@ pub use suite::{
 /// helper for shrunk failures.
 ///
 /// `backend_props!(module, ModelType, load)` where `load: Fn(&Path, usize) -> Result<ModelType>`
-/// loads the backend from a model directory with a context capacity:
+/// loads the backend from a model directory with a context capacity; optionally
+/// `cases = N` (scripts per property, default [`TINY_CASES`]), then `checks = Checks::Lean`
+/// (default [`Checks::Full`]), then `max_ops = N` (ops per script, default 12):
 ///
 /// ```ignore
 /// kvsnap_parity::backend_props!(reference, ReferenceModel, ReferenceModel::load_with_capacity);
 /// kvsnap_parity::backend_props!(iree_cpu, IreeModel, load_iree_cpu);
-/// // A slow device: fewer scripts per property than `TINY_CASES`.
-/// kvsnap_parity::backend_props!(iree_vulkan, IreeModel, load_iree_vulkan, cases = 16);
+/// // A slow device: 5 x 52 scripts of up to 6 ops, the cheaper truths.
+/// use kvsnap_parity::props::{Checks, SLOW_CASES, SLOW_MAX_OPS};
+/// kvsnap_parity::backend_props!(
+///     iree_vulkan, IreeModel, load_iree_vulkan,
+///     cases = SLOW_CASES, checks = Checks::Lean, max_ops = SLOW_MAX_OPS
+/// );
 /// ```
 ///
 /// A loader that returns `Error::Unsupported` (no compiler, no device) makes the tests print
@@ -64,6 +70,22 @@ macro_rules! backend_props {
         $crate::backend_props!($module, $model, $load, cases = $crate::props::TINY_CASES);
     };
     ($module:ident, $model:ty, $load:expr, cases = $cases:expr) => {
+        $crate::backend_props!(
+            $module,
+            $model,
+            $load,
+            cases = $cases,
+            checks = $crate::props::Checks::Full
+        );
+    };
+    (
+        $module:ident,
+        $model:ty,
+        $load:expr,
+        cases = $cases:expr,
+        checks = $checks:expr
+        $(, max_ops = $max_ops:expr)?
+    ) => {
         mod $module {
             #[allow(unused_imports)]
             use super::*;
@@ -77,7 +99,12 @@ macro_rules! backend_props {
                     .get_or_init(|| {
                         Suite::tiny(stringify!($module), $load)
                             .unwrap_or_else(|e| panic!("{e}"))
-                            .map(|suite| suite.with_cases($cases))
+                            .map(|suite| {
+                                suite
+                                    .with_cases($cases)
+                                    .with_checks($checks)
+                                    $(.with_max_ops($max_ops))?
+                            })
                     })
                     .as_ref()
             }
