@@ -42,29 +42,35 @@ pub fn exclusive() -> RwLockWriteGuard<'static, ()> {
 ///   capacity (it is also what the bad-model-directory rows call);
 /// - `fault = ...` (optional): `Fn(&$model, Option<usize>)` arming a one-shot failure after
 ///   that decoder layer of the next forward pass. Without it the atomicity rows report
-///   `SKIPPED` on stderr.
+///   `SKIPPED` on stderr;
+/// - `live_bytes = ...` (optional): `Fn(&$model) -> u64`, the bytes the backend's own
+///   allocator holds live; the leak rows then check it next to RSS;
+/// - `cycles = ...` (optional): the leak rows' [`rows::Cycles`] (default
+///   [`rows::Cycles::FULL`]).
+///
+/// The generated module's `backend()` is `pub(crate)`, for a backend's own rows beside it.
 #[macro_export]
 macro_rules! reliability_tests {
-    ($module:ident, $model:ty, $load:expr) => {
-        $crate::reliability_tests!(@rows $module, $model, $load, None);
-    };
-    ($module:ident, $model:ty, $load:expr, fault = $fault:expr) => {
-        $crate::reliability_tests!(@rows $module, $model, $load, Some(Box::new($fault)));
-    };
-    (@rows $module:ident, $model:ty, $load:expr, $fault:expr) => {
+    ($module:ident, $model:ty, $load:expr
+        $(, fault = $fault:expr)? $(, live_bytes = $live:expr)? $(, cycles = $cycles:expr)? $(,)?) => {
         mod $module {
             #[allow(unused_imports)]
             use super::*;
             use $crate::rows::{self, Backend};
 
-            fn backend() -> &'static Backend<$model> {
+            pub(crate) fn backend() -> &'static Backend<$model> {
                 static B: ::std::sync::OnceLock<Backend<$model>> = ::std::sync::OnceLock::new();
                 B.get_or_init(|| {
                     let root = ::std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
                         .join("reliability")
                         .join(stringify!($module));
-                    Backend::new(root, Box::new($load), $fault)
-                        .unwrap_or_else(|e| panic!("loading {}: {e}", stringify!($module)))
+                    #[allow(unused_mut)]
+                    let mut b = Backend::new(root, Box::new($load))
+                        .unwrap_or_else(|e| panic!("loading {}: {e}", stringify!($module)));
+                    $( b.fault = Some(Box::new($fault)); )?
+                    $( b.live_bytes = Some(Box::new($live)); )?
+                    $( b.cycles = $cycles; )?
+                    b
                 })
             }
 

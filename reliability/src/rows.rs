@@ -16,6 +16,31 @@ use crate::witness::{expect_err, isolated, PREFIX, UTTERANCE};
 pub type Load<M> = Box<dyn Fn(&Path, usize) -> Result<M> + Send + Sync>;
 /// Arms (`Some(layer)`) or disarms (`None`) a backend's one-shot mid-forward failure.
 pub type Fault<M> = Box<dyn Fn(&M, Option<usize>) + Send + Sync>;
+/// Bytes a backend's own allocator holds live (IREE's device allocator statistics).
+pub type LiveBytes<M> = Box<dyn Fn(&M) -> u64 + Send + Sync>;
+
+/// How many cycles the leak rows run (after how many unmeasured warm-up cycles).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Cycles {
+    /// Warm-up snapshot/release cycles.
+    pub snapshot_warm_up: usize,
+    /// Measured snapshot/release cycles.
+    pub snapshot: usize,
+    /// Warm-up open/close cycles.
+    pub open_warm_up: usize,
+    /// Measured open/close cycles.
+    pub open: usize,
+}
+
+impl Cycles {
+    /// The full counts: 1,000 + 10,000 snapshot/release and 100 + 1,000 open/close cycles.
+    pub const FULL: Cycles = Cycles {
+        snapshot_warm_up: 1_000,
+        snapshot: 10_000,
+        open_warm_up: 100,
+        open: 1_000,
+    };
+}
 
 /// One backend under test: its model on the tiny weights, and how to load and break it.
 pub struct Backend<M: KvModel> {
@@ -27,11 +52,16 @@ pub struct Backend<M: KvModel> {
     pub load: Load<M>,
     /// The fault hook, if the backend has one.
     pub fault: Option<Fault<M>>,
+    /// The backend allocator's live bytes, if it reports them.
+    pub live_bytes: Option<LiveBytes<M>>,
+    /// The leak rows' cycle counts.
+    pub cycles: Cycles,
 }
 
 impl<M: KvModel> Backend<M> {
-    /// Writes the tiny model under `root/tiny` and loads it with [`CAPACITY`].
-    pub fn new(root: PathBuf, load: Load<M>, fault: Option<Fault<M>>) -> Result<Self> {
+    /// Writes the tiny model under `root/tiny` and loads it with [`CAPACITY`]; no fault hook,
+    /// no allocator statistics, [`Cycles::FULL`].
+    pub fn new(root: PathBuf, load: Load<M>) -> Result<Self> {
         let dir = root.join("tiny");
         fixtures::write_tiny(&dir)?;
         let model = Arc::new(load(&dir, CAPACITY)?);
@@ -39,7 +69,9 @@ impl<M: KvModel> Backend<M> {
             model,
             root,
             load,
-            fault,
+            fault: None,
+            live_bytes: None,
+            cycles: Cycles::FULL,
         })
     }
 
@@ -619,13 +651,29 @@ fn report_growth(what: &str, g: Option<rss::Growth>) {
     );
 }
 
-/// 10,000 snapshot/release cycles (every 10th snapshot stepped, every 100th refused by the
-/// budget) keep RSS flat within [`LEAK_LIMIT_KIB`] after 1,000 warm-up cycles.
+/// Checks that the backend allocator's live bytes came back to `before` (exactly: on the CPU
+/// device every allocation and free is counted).
+fn report_live_bytes(what: &str, before: u64, after: u64) {
+    let _ = writeln!(
+        std::io::stderr(),
+        "{what}: allocator live bytes {before} -> {after}"
+    );
+    assert_eq!(after, before, "{what}: allocator live bytes changed");
+}
+
+/// Snapshot/release cycles ([`Cycles::snapshot`], 10,000 by default; every 10th snapshot
+/// stepped, every 100th refused by the budget) keep RSS flat within [`LEAK_LIMIT_KIB`] after
+/// the warm-up, and the backend allocator's live bytes (where reported) unchanged.
 pub fn no_leak_over_snapshot_release_cycles<M: KvModel>(b: &Backend<M>) {
     let s = b.session();
     let (a, _) = s.prefill(&PREFIX, Logits::Skip).unwrap();
     let one = s.kv_bytes(a).unwrap();
-    let growth = rss::measure(1_000, 10_000, |i| {
+    let c = b.cycles;
+    let mut live_before = None;
+    let growth = rss::measure(c.snapshot_warm_up, c.snapshot, |i| {
+        if i == c.snapshot_warm_up {
+            live_before = b.live_bytes.as_ref().map(|f| f(&b.model));
+        }
         if i % 100 == 0 {
             s.set_kv_budget(Some(one));
             expect_err(s.snapshot(a), "kv_budget", &[]);
@@ -638,18 +686,40 @@ pub fn no_leak_over_snapshot_release_cycles<M: KvModel>(b: &Backend<M>) {
         s.release(c).unwrap();
     });
     assert_eq!((s.live(), s.live_kv_bytes()), (1, one));
-    report_growth("10,000 snapshot/release cycles", growth);
+    let what = format!("{} snapshot/release cycles", c.snapshot);
+    if let (Some(f), Some(before)) = (&b.live_bytes, live_before) {
+        report_live_bytes(&what, before, f(&b.model));
+    }
+    report_growth(&what, growth);
 }
 
-/// 1,000 open/close cycles of the tiny model (load, prefill, snapshot, close with live states)
-/// keep RSS flat within [`LEAK_LIMIT_KIB`] after 100 warm-up cycles.
+/// Open/close cycles of the tiny model ([`Cycles::open`], 1,000 by default: load, prefill,
+/// snapshot, close with live states) keep RSS flat within [`LEAK_LIMIT_KIB`] after the warm-up;
+/// where the backend reports allocator statistics, closing returns each model's allocator to
+/// its live bytes after loading.
 pub fn no_leak_over_open_close_cycles<M: KvModel>(b: &Backend<M>) {
     let dir = b.root.join("tiny");
-    let growth = rss::measure(100, 1_000, |_| {
-        let s = Session::new((b.load)(&dir, CAPACITY).unwrap());
+    let c = b.cycles;
+    let mut live = None;
+    let growth = rss::measure(c.open_warm_up, c.open, |_| {
+        let m = Arc::new((b.load)(&dir, CAPACITY).unwrap());
+        let loaded = b.live_bytes.as_ref().map(|f| f(&m));
+        let s = Session::from_arc(Arc::clone(&m));
         let (a, _) = s.prefill(&PREFIX[..4], Logits::Skip).unwrap();
         s.snapshot(a).unwrap();
         s.close().unwrap();
+        if let (Some(f), Some(loaded)) = (&b.live_bytes, loaded) {
+            let closed = f(&m);
+            assert_eq!(
+                closed, loaded,
+                "allocator live bytes after close vs after load"
+            );
+            live = Some((loaded, closed));
+        }
     });
-    report_growth("1,000 open/close cycles", growth);
+    let what = format!("{} open/close cycles", c.open);
+    if let Some((loaded, closed)) = live {
+        report_live_bytes(&format!("{what} (last, load -> close)"), loaded, closed);
+    }
+    report_growth(&what, growth);
 }
