@@ -35,6 +35,10 @@ pub struct IreeOptions {
     pub capacity: Option<usize>,
     /// Print compile progress to stderr.
     pub verbose: bool,
+    /// Which entry points `prefill`/`extend`/`step` call: `None` picks by target, the
+    /// embeddings-input graphs on Vulkan (rows gathered on the host from the memory-mapped
+    /// weights, as the Mali path needs) and the ids-input graphs on the CPU.
+    pub input: Option<Input>,
 }
 
 impl IreeOptions {
@@ -47,6 +51,7 @@ impl IreeOptions {
             chunks: DEFAULT_CHUNKS.to_vec(),
             capacity: None,
             verbose: false,
+            input: None,
         }
     }
 
@@ -81,6 +86,11 @@ pub struct IreeModel {
     /// A VM context runs one call at a time (see [`Session`]).
     session: Mutex<Session>,
     weights: Vec<BufferView>, // manifest weight order
+    /// `[vocab, hidden]`, memory-mapped (no second copy in RAM): the host gathers rows from it
+    /// when `input` is `Input::Embeddings`.
+    embed_tokens: Tensor,
+    /// The entry points token ids go through.
+    input: Input,
     report: LoadReport,
     /// KV results that came back in a new buffer instead of the argument's (see
     /// [`IreeModel::kv_copies`]).
@@ -165,6 +175,14 @@ impl IreeModel {
                 Ok(view)
             })
             .collect::<Result<Vec<_>>>()?;
+        let embed_tokens = file.tensor(
+            "model.embed_tokens.weight",
+            &[cfg.vocab_size, cfg.hidden_size],
+        )?;
+        let input = opts.input.unwrap_or(match opts.target {
+            Target::VulkanSpirv => Input::Embeddings,
+            Target::LlvmCpu => Input::Ids,
+        });
         let report = LoadReport {
             mlir_bytes: g.mlir.len(),
             compile,
@@ -178,9 +196,53 @@ impl IreeModel {
             device,
             session: Mutex::new(session),
             weights,
+            embed_tokens,
+            input,
             report,
             kv_copies: AtomicU64::new(0),
         })
+    }
+
+    /// The entry points token ids go through (see [`IreeOptions::input`]).
+    pub fn input(&self) -> Input {
+        self.input
+    }
+
+    /// Raw (unscaled) embedding rows of `ids`, gathered on the host from the memory-mapped
+    /// weights: what `prefill_embeddings` takes.
+    ///
+    /// # Shapes
+    /// returns `[ids.len(), hidden]`.
+    pub fn embedding_rows(&self, ids: &[u32]) -> Result<Vec<f32>> {
+        check::tokens(&self.cfg, "embedding_rows", 0, ids)?;
+        let h = self.cfg.hidden_size;
+        Ok(ids
+            .iter()
+            .flat_map(|&id| &self.embed_tokens[id as usize * h..(id as usize + 1) * h])
+            .copied()
+            .collect())
+    }
+
+    /// Runs `ids` through the configured entry points: as ids, or as host-gathered rows.
+    fn forward_ids(
+        &self,
+        op: &'static str,
+        kv: &mut IreeKv,
+        ids: &[u32],
+        logits: Logits,
+    ) -> Result<Next> {
+        match self.input {
+            Input::Ids => self.forward(op, kv, ChunkInput::Ids(ids), logits),
+            Input::Embeddings => {
+                let h = self.cfg.hidden_size;
+                let rows: Vec<f32> = ids
+                    .iter()
+                    .flat_map(|&id| &self.embed_tokens[id as usize * h..(id as usize + 1) * h])
+                    .copied()
+                    .collect();
+                self.forward(op, kv, ChunkInput::Embeddings(&rows), logits)
+            }
+        }
     }
 
     /// What loading cost.
@@ -396,7 +458,7 @@ impl KvModel for IreeModel {
     fn prefill(&self, ids: &[u32], logits: Logits) -> Result<(IreeKv, Next)> {
         check::tokens(&self.cfg, "prefill", 0, ids)?;
         let mut kv = self.new_kv()?;
-        let next = self.forward("prefill", &mut kv, ChunkInput::Ids(ids), logits)?;
+        let next = self.forward_ids("prefill", &mut kv, ids, logits)?;
         Ok((kv, next))
     }
 
@@ -416,12 +478,12 @@ impl KvModel for IreeModel {
 
     fn extend(&self, kv: &mut IreeKv, ids: &[u32], logits: Logits) -> Result<Next> {
         check::tokens(&self.cfg, "extend", kv.len, ids)?;
-        self.forward("extend", kv, ChunkInput::Ids(ids), logits)
+        self.forward_ids("extend", kv, ids, logits)
     }
 
     fn step(&self, kv: &mut IreeKv, id: u32, logits: Logits) -> Result<Next> {
         check::tokens(&self.cfg, "step", kv.len, &[id])?;
-        self.forward("step", kv, ChunkInput::Ids(&[id]), logits)
+        self.forward_ids("step", kv, &[id], logits)
     }
 
     fn snapshot(&self, kv: &IreeKv) -> Result<IreeKv> {

@@ -7,6 +7,7 @@ use std::sync::OnceLock;
 
 use kvsnap_contract::{KvModel, Logits, Next, Tolerance};
 use kvsnap_iree::compile::{Compiler, Target};
+use kvsnap_iree::graphs::Input;
 use kvsnap_iree::{IreeModel, IreeOptions};
 use kvsnap_reference::tiny::{write_model, Preset, DEFAULT_SEED};
 use kvsnap_reference::ReferenceModel;
@@ -82,6 +83,7 @@ per_target!(
     snapshots_are_independent,
     embeddings_input_matches_ids_input,
     kv_bytes_are_the_allocated_buffers,
+    both_input_kinds_serve_every_operation,
 );
 
 /// Deterministic token ids in the tiny vocab.
@@ -401,4 +403,51 @@ fn argmax_with_planted_maxima_on_every_target() {
         assert_eq!(run(&l), 70_000, "{}: tie and NaN", target.name());
         assert_eq!(run(&vec![f32::NEG_INFINITY; vocab]), 0, "{}", target.name());
     }
+}
+
+/// The default entry points follow the target (embeddings-input on Vulkan, ids-input on the
+/// CPU), and the other kind compiles and serves prefill, extend and step on the same target too.
+fn both_input_kinds_serve_every_operation(p: &Pair) {
+    let target = match p.iree.backend() {
+        "iree-vulkan" => Target::VulkanSpirv,
+        _ => Target::LlvmCpu,
+    };
+    let default = match target {
+        Target::VulkanSpirv => Input::Embeddings,
+        Target::LlvmCpu => Input::Ids,
+    };
+    assert_eq!(p.iree.input(), default);
+    let other = match default {
+        Input::Ids => Input::Embeddings,
+        Input::Embeddings => Input::Ids,
+    };
+    let dir = std::env::temp_dir().join(format!(
+        "kvsnap-iree-inputs-{}-{}",
+        target.name(),
+        std::process::id()
+    ));
+    write_model(&dir, Preset::Tiny, DEFAULT_SEED).expect("tiny model");
+    let opts = IreeOptions {
+        target,
+        input: Some(other),
+        ..IreeOptions::cpu()
+    };
+    let m = IreeModel::load(&dir, &opts).expect("second input kind loads");
+    assert_eq!(m.input(), other);
+    let r = Logits::Return;
+    let seq = ids(23, 9);
+    let (mut a, na) = m.prefill(&seq[..10], r).unwrap();
+    let (mut b, nb) = p.reference.prefill(&seq[..10], r).unwrap();
+    assert_close("prefill", &na, &nb);
+    let na = m.extend(&mut a, &seq[10..22], r).unwrap();
+    let nb = p.reference.extend(&mut b, &seq[10..22], r).unwrap();
+    assert_close("extend", &na, &nb);
+    let na = m.step(&mut a, seq[22], r).unwrap();
+    let nb = p.reference.step(&mut b, seq[22], r).unwrap();
+    assert_close("step", &na, &nb);
+    assert_eq!(
+        m.embedding_rows(&seq[..2]).unwrap(),
+        p.reference.embedding_rows(&seq[..2]).unwrap()
+    );
+    let _ = std::fs::remove_dir_all(&dir);
 }
