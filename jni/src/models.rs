@@ -4,10 +4,10 @@ use std::path::Path;
 use std::sync::{Arc, LazyLock};
 
 use kvsnap_contract::handles::reason;
-use kvsnap_contract::{check, DynModel, Error, HandleTable, KvModel, ModelConfig, Result, Session};
+use kvsnap_contract::{DynModel, Error, HandleTable, Result, Session};
 use kvsnap_iree::compile::Target;
 use kvsnap_iree::{IreeModel, IreeOptions};
-use kvsnap_reference::{ReferenceModel, Weights};
+use kvsnap_reference::ReferenceModel;
 
 use crate::bridge::{BridgeError, BridgeResult};
 
@@ -81,11 +81,11 @@ pub fn open(opts: OpenOptions<'_>) -> BridgeResult<OpenModel> {
             })
         }
         "iree-cpu" | "iree-vulkan" => {
-            let model = IreeModel::load(opts.model_dir, &iree_options(opts)?)?;
-            let gather = host_embeddings(opts.model_dir, model.config())?;
+            let model = Arc::new(IreeModel::load(opts.model_dir, &iree_options(opts)?)?);
+            let gather = Arc::clone(&model);
             Ok(OpenModel {
-                session: Box::new(Session::new(model)),
-                embedding_rows: Some(gather),
+                session: Box::new(Session::from_arc(model)),
+                embedding_rows: Some(Box::new(move |ids| gather.embedding_rows(ids))),
             })
         }
         other => Err(BridgeError::BadArgument {
@@ -93,25 +93,6 @@ pub fn open(opts: OpenOptions<'_>) -> BridgeResult<OpenModel> {
             problem: format!("unknown backend `{other}` (known: {})", BACKENDS.join(", ")),
         }),
     }
-}
-
-/// Gathers embedding rows on the host from the memory-mapped `model.safetensors` (the IREE
-/// backends' own copy of the table is on the device; mapping the file again costs no memory
-/// until rows are read).
-fn host_embeddings(dir: &Path, cfg: &ModelConfig) -> Result<EmbeddingRows> {
-    let weights = Weights::open(&dir.join("model.safetensors"))?;
-    let (vocab, h) = (cfg.vocab_size, cfg.hidden_size);
-    let table = weights.tensor("model.embed_tokens.weight", &[vocab, h])?;
-    let cfg = cfg.clone();
-    Ok(Box::new(move |ids| {
-        check::tokens(&cfg, "embedding_rows", 0, ids)?;
-        let table: &[f32] = &table;
-        Ok(ids
-            .iter()
-            .flat_map(|&id| &table[id as usize * h..(id as usize + 1) * h])
-            .copied()
-            .collect())
-    }))
 }
 
 /// The IREE options of `opts`: its module dir, and the Vulkan device ordinal (`device` is a
