@@ -33,8 +33,8 @@ kvsnap_reliability::reliability_tests!(
     cycles = IREE_CYCLES
 );
 
-// Vulkan, behind `--features iree-vulkan`: on lavapipe (a CPU Vulkan driver) its rows take about
-// 4 minutes, and `no_leak_over_open_close_cycles` fails there: RSS grows about 320 KiB per
+// Vulkan, behind `--features iree-vulkan`: on lavapipe (a CPU Vulkan driver) its rows take 1 to 4
+// minutes (64 s and 230 s on two runs), and `no_leak_over_open_close_cycles` fails there: RSS grows about 320 KiB per
 // load/close of a Vulkan device (6,412 KiB over 20 cycles); see docs/RELIABILITY.md. No
 // `live_bytes`: IREE 3.13's Vulkan allocator does not record the frees of pooled allocations
 // (see `AllocatorStats`), so only RSS is checked.
