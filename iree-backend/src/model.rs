@@ -95,6 +95,9 @@ pub struct IreeModel {
     /// KV results that came back in a new buffer instead of the argument's (see
     /// [`IreeModel::kv_copies`]).
     kv_copies: AtomicU64,
+    /// Test hook: 0 = off, k + 1 = fail the next call after its chunk `k` (see
+    /// [`IreeModel::set_fault_after_chunk`]).
+    fault_after_chunk: AtomicU64,
 }
 
 /// The KV state of one sequence: its device buffers (manifest KV order) and length.
@@ -200,6 +203,7 @@ impl IreeModel {
             input,
             report,
             kv_copies: AtomicU64::new(0),
+            fault_after_chunk: AtomicU64::new(0),
         })
     }
 
@@ -243,6 +247,16 @@ impl IreeModel {
                 self.forward(op, kv, ChunkInput::Embeddings(&rows), logits)
             }
         }
+    }
+
+    /// Test-only fault injection: the next operation (on any thread) fails with
+    /// [`Error::Backend`] right after its chunk call `chunk` (or its last one, if it has fewer)
+    /// has updated the KV buffers on the device, i.e. midway through an update of the state, which
+    /// is then poisoned. One-shot; `None` disarms. kvsnap-reliability's atomicity rows use it.
+    #[doc(hidden)]
+    pub fn set_fault_after_chunk(&self, chunk: Option<usize>) {
+        self.fault_after_chunk
+            .store(chunk.map_or(0, |c| c as u64 + 1), Ordering::SeqCst);
     }
 
     /// What loading cost.
@@ -354,7 +368,12 @@ impl IreeModel {
             .map_err(|_| self.backend_error("lock session", "a previous call panicked"))?;
         let mut last = None;
         let mut done = 0;
-        for (c, valid) in self.plan(kv.len, n) {
+        let plan = self.plan(kv.len, n);
+        let fault = match self.fault_after_chunk.swap(0, Ordering::SeqCst) {
+            0 => None,
+            k => Some((k as usize - 1).min(plan.len() - 1)),
+        };
+        for (index, (c, valid)) in plan.into_iter().enumerate() {
             let (first, name) = match input {
                 ChunkInput::Ids(ids) => {
                     let mut part = vec![0i32; c];
@@ -399,6 +418,12 @@ impl IreeModel {
             kv.len += valid;
             done += valid;
             last = Some(outs);
+            if fault == Some(index) {
+                return Err(self.backend_error(
+                    &format!("call {name}"),
+                    &format!("injected fault after chunk {index} (test hook)"),
+                ));
+            }
         }
         let outs = last.expect("at least one chunk: inputs are non-empty");
         let token = outs[0].to_i32_vec()?[0];

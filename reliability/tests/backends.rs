@@ -24,11 +24,11 @@ fn iree(dir: &Path, capacity: usize, base: IreeOptions) -> kvsnap_contract::Resu
     )
 }
 
-// IreeModel has no fault hook: the two atomicity rows report SKIPPED on both IREE lines.
 kvsnap_reliability::reliability_tests!(
     iree_cpu,
     IreeModel,
     |dir: &Path, capacity| iree(dir, capacity, IreeOptions::cpu()),
+    fault = |m: &IreeModel, at| m.set_fault_after_chunk(at),
     live_bytes = |m: &IreeModel| m.device().allocator_stats().live_bytes(),
     cycles = IREE_CYCLES
 );
@@ -43,6 +43,7 @@ kvsnap_reliability::reliability_tests!(
     iree_vulkan,
     IreeModel,
     |dir: &Path, capacity| iree(dir, capacity, IreeOptions::vulkan()),
+    fault = |m: &IreeModel, at| m.set_fault_after_chunk(at),
     cycles = IREE_CYCLES
 );
 
