@@ -13,7 +13,7 @@ cargo clippy --release --workspace --all-targets -- -D warnings
 echo "== cargo test (release, real model required)"
 export KVSNAP_REQUIRE_MODEL=1
 export KVSNAP_MODEL_DIR="$ROOT/models/gemma-3-270m"
-cargo test --release --workspace
+cargo test --release --workspace --no-fail-fast
 
 echo "== parity: tiny model goldens, every backend (iree-vulkan on lavapipe)"
 TINY="$ROOT/target/kvsnap-tiny"

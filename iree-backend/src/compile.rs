@@ -284,15 +284,20 @@ impl Compiler {
         }
 
         std::fs::create_dir_all(&self.cache_dir).map_err(|e| Error::io(&self.cache_dir, e))?;
-        let mlir_path = self.cache_dir.join(format!("{key}.mlir"));
-        std::fs::write(&mlir_path, mlir).map_err(|e| Error::io(&mlir_path, e))?;
-        // Written under a temporary name and renamed, so a concurrent or interrupted compile never
-        // leaves a truncated vmfb under the final name.
-        let tmp_path = self.cache_dir.join(format!(
-            "{key}.{}.{}.tmp",
+        // The input and the output are named uniquely per process and per compile (threads of
+        // one process, parallel tests, may compile the same MLIR at once), and the vmfb is
+        // renamed into place, so a concurrent or interrupted compile never leaves a truncated
+        // file under the final name nor reads one that another compile is rewriting.
+        static COMPILES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let unique = format!(
+            "{key}.{}.{}-{}",
             target.name(),
-            std::process::id()
-        ));
+            std::process::id(),
+            COMPILES.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        );
+        let mlir_path = self.cache_dir.join(format!("{unique}.mlir"));
+        std::fs::write(&mlir_path, mlir).map_err(|e| Error::io(&mlir_path, e))?;
+        let tmp_path = self.cache_dir.join(format!("{unique}.tmp"));
 
         let op = format!("compile for {}", target.name());
         progress(&CompileProgress::Started {
