@@ -12,6 +12,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use kvsnap_contract::{check, Error, KvModel, Logits, ModelConfig, Next, Result};
+use kvsnap_reference::kernels::gather_rows;
 use kvsnap_reference::{Tensor, Weights};
 
 use crate::compile::{CompileProgress, Compiler, Target};
@@ -219,12 +220,7 @@ impl IreeModel {
     /// returns `[ids.len(), hidden]`.
     pub fn embedding_rows(&self, ids: &[u32]) -> Result<Vec<f32>> {
         check::tokens(&self.cfg, "embedding_rows", 0, ids)?;
-        let h = self.cfg.hidden_size;
-        Ok(ids
-            .iter()
-            .flat_map(|&id| &self.embed_tokens[id as usize * h..(id as usize + 1) * h])
-            .copied()
-            .collect())
+        Ok(gather_rows(&self.embed_tokens, self.cfg.hidden_size, ids))
     }
 
     /// Runs `ids` through the configured entry points: as ids, or as host-gathered rows.
@@ -238,12 +234,7 @@ impl IreeModel {
         match self.input {
             Input::Ids => self.forward(op, kv, ChunkInput::Ids(ids), logits),
             Input::Embeddings => {
-                let h = self.cfg.hidden_size;
-                let rows: Vec<f32> = ids
-                    .iter()
-                    .flat_map(|&id| &self.embed_tokens[id as usize * h..(id as usize + 1) * h])
-                    .copied()
-                    .collect();
+                let rows = gather_rows(&self.embed_tokens, self.cfg.hidden_size, ids);
                 self.forward(op, kv, ChunkInput::Embeddings(&rows), logits)
             }
         }

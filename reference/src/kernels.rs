@@ -157,6 +157,20 @@ pub fn geglu(gate: &mut [f32], up: &[f32]) {
         });
 }
 
+/// Rows `ids` of a `[rows, width]` row-major table, concatenated: the embedding gather.
+/// Every id must be a row of the table (callers check ids against the vocab first).
+///
+/// # Shapes
+/// `table`: `[rows, width]`; returns `[ids.len(), width]`.
+pub fn gather_rows(table: &[f32], width: usize, ids: &[u32]) -> Vec<f32> {
+    let mut out = Vec::with_capacity(ids.len() * width);
+    for &id in ids {
+        let start = id as usize * width;
+        out.extend_from_slice(&table[start..start + width]);
+    }
+    out
+}
+
 /// In-place softmax in f32 with max subtraction.
 pub fn softmax(x: &mut [f32]) {
     let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -180,7 +194,7 @@ pub fn add_inplace(out: &mut [f32], x: &[f32]) {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     /// Deterministic values in [-1, 1).
@@ -264,6 +278,16 @@ mod tests {
         assert!((a.iter().sum::<f32>() - 1.0).abs() < 1e-6);
         assert!(max_diff(&a, &b) < 1e-6);
         assert!((a[2] - 0.665_240_9).abs() < 1e-6);
+    }
+
+    #[test]
+    fn gather_rows_concatenates_rows() {
+        let table: Vec<f32> = (0..12).map(|i| i as f32).collect(); // [4, 3]
+        assert_eq!(
+            gather_rows(&table, 3, &[2, 0, 2]),
+            [6.0, 7.0, 8.0, 0.0, 1.0, 2.0, 6.0, 7.0, 8.0]
+        );
+        assert!(gather_rows(&table, 3, &[]).is_empty());
     }
 
     #[test]

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use kvsnap_contract::{argmax, check, Error, KvModel, Logits, ModelConfig, Next, Result};
 
 use crate::blocks::{DecoderLayer, RmsNorm};
-use crate::kernels::matvec;
+use crate::kernels::{gather_rows, matvec};
 use crate::kv::ReferenceKv;
 use crate::weights::{Tensor, Weights};
 
@@ -77,12 +77,7 @@ impl ReferenceModel {
     /// returns `[ids.len(), hidden]`.
     pub fn embedding_rows(&self, ids: &[u32]) -> Result<Vec<f32>> {
         check::tokens(&self.cfg, "embedding_rows", 0, ids)?;
-        let h = self.cfg.hidden_size;
-        Ok(ids
-            .iter()
-            .flat_map(|&id| &self.embed_tokens[id as usize * h..(id as usize + 1) * h])
-            .copied()
-            .collect())
+        Ok(gather_rows(&self.embed_tokens, self.cfg.hidden_size, ids))
     }
 
     /// Runs the chunk whose raw embedding rows are `rows` at the end of `kv`.
