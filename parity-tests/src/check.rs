@@ -402,12 +402,7 @@ impl Checker {
     ) -> CaseReport {
         let start = Instant::now();
         let vocab = model.config().vocab_size;
-        let mut run_state = RunState {
-            case,
-            tolerance: self.tolerance,
-            vocab,
-            report: CaseReport::new(case, run),
-        };
+        let mut run_state = RunState::new(case, run, self.tolerance, vocab);
         let max_id = case.max_id();
         if max_id as usize >= vocab {
             run_state
@@ -573,17 +568,35 @@ impl Plan {
     }
 }
 
-/// The checks of one run in progress.
-struct RunState<'a> {
+/// The checks of one run in progress, position by position: what [`Checker::check_run`] applies
+/// to every position it produces, usable on its own by callers that drive the model themselves
+/// (the CLI's catalog demo).
+pub struct RunState<'a> {
     case: &'a Case,
     tolerance: Tolerance,
     vocab: usize,
     report: CaseReport,
 }
 
-impl RunState<'_> {
-    /// Checks the logits and token the backend produced at `pos`.
-    fn observe(&mut self, pos: usize, next: &Next) {
+impl<'a> RunState<'a> {
+    /// Starts the checks of `run` over `case` for a model with `vocab` logits.
+    pub fn new(case: &'a Case, run: RunKind, tolerance: Tolerance, vocab: usize) -> Self {
+        RunState {
+            case,
+            tolerance,
+            vocab,
+            report: CaseReport::new(case, run),
+        }
+    }
+
+    /// The report so far.
+    pub fn report(&self) -> &CaseReport {
+        &self.report
+    }
+
+    /// Checks the logits and token the backend produced at `pos` of `ids + greedy`, as
+    /// shared/goldens/FORMAT.md says.
+    pub fn observe(&mut self, pos: usize, next: &Next) {
         let golden = self.case.position(pos);
         let report = &mut self.report;
         report.positions_checked += 1;

@@ -11,6 +11,6 @@ pub mod props;
 
 pub use check::{
     log_sum_exp, CaseReport, Checker, Failure, FailureKind, Observer, ParityReport, Progress,
-    Quiet, RunKind,
+    Quiet, RunKind, RunState,
 };
 pub use golden::{Case, GoldenError, GoldenSet, Position};

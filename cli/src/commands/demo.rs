@@ -7,8 +7,8 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use anyhow::{bail, Context};
-use kvsnap_contract::{KvModel, Logits, Next, Tolerance};
-use kvsnap_parity::{log_sum_exp, Case, GoldenSet};
+use kvsnap_contract::{KvModel, Logits, Tolerance};
+use kvsnap_parity::{Case, CaseReport, GoldenSet, RunKind, RunState};
 
 use super::backend::{with_model, Backend};
 
@@ -108,10 +108,10 @@ fn serve<M: KvModel>(model: &M, case: &Case, args: &Args) -> anyhow::Result<Exit
         let t1 = Instant::now();
         let mut next = model.extend(&mut kv, turn, Logits::Return)?;
         let extend_s = t1.elapsed().as_secs_f64();
-        let mut check = TurnCheck::new(tol);
+        let mut check = RunState::new(case, RunKind::Incremental, tol, model.config().vocab_size);
         let t2 = Instant::now();
         for (s, &want) in case.greedy.iter().enumerate() {
-            check.position(case, case.ids.len() - 1 + s, &next);
+            check.observe(case.ids.len() - 1 + s, &next);
             // Teacher forcing: always feed the oracle's token (a mismatch above is recorded).
             if s + 1 < case.greedy.len() {
                 next = model.step(&mut kv, want, Logits::Return)?;
@@ -121,7 +121,8 @@ fn serve<M: KvModel>(model: &M, case: &Case, args: &Args) -> anyhow::Result<Exit
         model.release(kv)?;
         let total = t0.elapsed().as_secs_f64();
         turn_times.push(total);
-        worst = worst.max(check.max_dlogit);
+        let report = check.report();
+        worst = worst.max(report.max_dlogit);
         let steps = case.greedy.len().saturating_sub(1);
         println!(
             "turn {t_index}: restore {:.2} ms, extend {} tokens {:.3} s, {} steps {:.3} s ({:.1} tok/s), total {:.3} s; {}",
@@ -132,9 +133,9 @@ fn serve<M: KvModel>(model: &M, case: &Case, args: &Args) -> anyhow::Result<Exit
             decode_s,
             steps as f64 / decode_s,
             total,
-            check.verdict()
+            verdict(report)
         );
-        if !check.problems.is_empty() {
+        if !report.passed() {
             failed += 1;
         }
     }
@@ -166,71 +167,16 @@ fn serve<M: KvModel>(model: &M, case: &Case, args: &Args) -> anyhow::Result<Exit
     })
 }
 
-/// Checks produced positions against the oracle as shared/goldens/FORMAT.md says.
-struct TurnCheck {
-    tol: Tolerance,
-    max_dlogit: f64,
-    tokens_ok: usize,
-    tokens_checked: usize,
-    problems: Vec<String>,
-}
-
-impl TurnCheck {
-    fn new(tol: Tolerance) -> Self {
-        TurnCheck {
-            tol,
-            max_dlogit: 0.0,
-            tokens_ok: 0,
-            tokens_checked: 0,
-            problems: Vec::new(),
-        }
-    }
-
-    fn position(&mut self, case: &Case, pos: usize, next: &Next) {
-        let gold = case.position(pos);
-        let Some(logits) = next.logits.as_deref() else {
-            self.problems.push(format!("pos {pos}: no logits"));
-            return;
-        };
-        for &(id, want) in &gold.top {
-            let got = logits[id as usize] as f64;
-            self.max_dlogit = self.max_dlogit.max((got - want).abs());
-            if !self.tol.accepts(got, want) {
-                self.problems.push(format!(
-                    "pos {pos}: logit of {id} is {got:.5}, oracle {want:.5}"
-                ));
-            }
-        }
-        let lse = log_sum_exp(logits);
-        if !self.tol.accepts(lse, gold.lse) {
-            self.problems
-                .push(format!("pos {pos}: lse {lse:.5}, oracle {:.5}", gold.lse));
-        }
-        if gold.margin > 2.0 * self.tol.abs {
-            self.tokens_checked += 1;
-            if next.token == gold.top[0].0 {
-                self.tokens_ok += 1;
-            } else {
-                self.problems.push(format!(
-                    "pos {pos}: token {}, oracle {}",
-                    next.token, gold.top[0].0
-                ));
-            }
-        }
-    }
-
-    fn verdict(&self) -> String {
-        if self.problems.is_empty() {
-            format!(
-                "parity ok ({}/{} tokens where the oracle margin allows, max |dlogit| {:.1e})",
-                self.tokens_ok, self.tokens_checked, self.max_dlogit
-            )
-        } else {
-            format!(
-                "PARITY FAILED: {} problems, first: {}",
-                self.problems.len(),
-                self.problems[0]
-            )
-        }
+/// One line on a turn's checks.
+fn verdict(report: &CaseReport) -> String {
+    match report.first_failure() {
+        None => format!(
+            "parity ok ({}/{} tokens, max |dlogit| {:.1e})",
+            report.tokens_matched, report.tokens_checked, report.max_dlogit
+        ),
+        Some(first) => format!(
+            "PARITY FAILED: {} problems, first: {first}",
+            report.failure_count
+        ),
     }
 }
