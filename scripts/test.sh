@@ -8,12 +8,14 @@ cd "$ROOT"
 
 echo "== format and lints"
 cargo fmt --all -- --check
-cargo clippy --release --workspace --all-targets -- -D warnings
+# The reliability rows also run on iree-vulkan (lavapipe here): about 3 minutes more.
+FEATURES=kvsnap-reliability/iree-vulkan
+cargo clippy --release --workspace --all-targets --features "$FEATURES" -- -D warnings
 
 echo "== cargo test (release, real model required)"
 export KVSNAP_REQUIRE_MODEL=1
 export KVSNAP_MODEL_DIR="$ROOT/models/gemma-3-270m"
-cargo test --release --workspace --no-fail-fast
+cargo test --release --workspace --no-fail-fast --features "$FEATURES"
 
 echo "== parity: tiny model goldens, every backend (iree-vulkan on lavapipe)"
 TINY="$ROOT/target/kvsnap-tiny"

@@ -10,6 +10,7 @@
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use kvsnap_contract::{Error, Result};
@@ -185,7 +186,7 @@ impl Compiler {
     /// Uses the given `iree-compile` executable after checking its version.
     pub fn with_executable(exe: impl Into<PathBuf>) -> Result<Self> {
         let exe = exe.into();
-        let version = query_version(&exe)?;
+        let version = cached_version(&exe)?;
         if !version_is_supported(&version) {
             return Err(tool_error(
                 "check iree-compile version",
@@ -395,6 +396,36 @@ impl Compiler {
 /// True for a `3.13.x` version string.
 pub fn version_is_supported(version: &str) -> bool {
     version.starts_with(REQUIRED_VERSION_PREFIX)
+}
+
+/// The version of `exe`, queried once per process and executable: `iree-compile --version` costs
+/// about 100 ms (a Python entry point), which every model load would pay otherwise. The memo is
+/// keyed by the path and the file's size and modification time, so a replaced compiler is
+/// queried again.
+fn cached_version(exe: &Path) -> Result<String> {
+    type Key = (PathBuf, Option<(u64, std::time::SystemTime)>);
+    static VERSIONS: Mutex<Vec<(Key, String)>> = Mutex::new(Vec::new());
+    let identity = std::fs::metadata(exe)
+        .ok()
+        .and_then(|m| Some((m.len(), m.modified().ok()?)));
+    let key = (exe.to_path_buf(), identity);
+    let known = |versions: &[(Key, String)]| {
+        versions
+            .iter()
+            .find(|(k, _)| *k == key)
+            .map(|(_, v)| v.clone())
+    };
+    // A poisoned lock only means another thread panicked while holding it; the list stays valid.
+    let lock = || VERSIONS.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(version) = known(&lock()) {
+        return Ok(version);
+    }
+    let version = query_version(exe)?;
+    let mut versions = lock();
+    if known(&versions).is_none() {
+        versions.push((key, version.clone()));
+    }
+    Ok(version)
 }
 
 /// Runs `iree-compile --version` and returns the text after "IREE compiler version ".

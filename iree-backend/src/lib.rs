@@ -7,6 +7,7 @@ pub mod emit;
 pub mod graphs;
 pub mod model;
 pub mod module;
+pub mod resident;
 pub mod runtime;
 
 pub use model::{compile_graphs, model_graphs, IreeKv, IreeModel, IreeOptions, LoadReport};

@@ -8,7 +8,6 @@
 
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use kvsnap_contract::{check, Error, KvModel, Logits, ModelConfig, Next, Result};
@@ -17,7 +16,8 @@ use kvsnap_reference::{Tensor, Weights};
 
 use crate::compile::{CompileProgress, Compiler, Target};
 use crate::graphs::{self, entry_name, DType, Input, Manifest, DEFAULT_CHUNKS};
-use crate::runtime::{BufferView, Device, ElementType, ImportStats, Instance, Session};
+use crate::resident::{self, Lease};
+use crate::runtime::{BufferView, Device, DeviceKind, ElementType, ImportMode, ImportStats};
 
 /// How to load an [`IreeModel`].
 #[derive(Clone, Debug)]
@@ -74,7 +74,7 @@ pub struct LoadReport {
     pub compile: Duration,
     /// Whether the vmfb came from the compile cache.
     pub cache_hit: bool,
-    /// How the weights reached the device.
+    /// How this model's weights reached the device.
     pub imports: ImportStats,
 }
 
@@ -84,8 +84,9 @@ pub struct IreeModel {
     target: Target,
     manifest: Manifest,
     device: Device,
-    /// A VM context runs one call at a time (see [`Session`]).
-    session: Mutex<Session>,
+    /// The resident module, shared with every model that loaded the same one (a VM context runs
+    /// one call at a time: see [`crate::runtime::Session`]).
+    session: Lease,
     weights: Vec<BufferView>, // manifest weight order
     /// `[vocab, hidden]`, memory-mapped (no second copy in RAM): the host gathers rows from it
     /// when `input` is `Input::Embeddings`.
@@ -151,11 +152,11 @@ impl IreeModel {
     pub fn load_config(dir: &Path, cfg: ModelConfig, opts: &IreeOptions) -> Result<Self> {
         let g = model_graphs(&cfg, opts);
 
-        // The device first: a machine without one fails fast, before a long compile.
-        let instance = Instance::new()?;
+        // The device first: a machine without one fails fast, before a long compile. Devices and
+        // modules stay resident for the process (see `crate::resident`).
         let device = match opts.target {
-            Target::LlvmCpu => Device::cpu(&instance)?,
-            Target::VulkanSpirv => Device::vulkan(&instance, opts.device)?,
+            Target::LlvmCpu => resident::device(DeviceKind::Cpu, 0)?,
+            Target::VulkanSpirv => resident::device(DeviceKind::Vulkan, opts.device)?,
         };
         let start = Instant::now();
         let (vmfb, cache_hit) = match &opts.module_dir {
@@ -166,16 +167,28 @@ impl IreeModel {
             }
         };
         let compile = start.elapsed();
-        let session = Session::new(&device, &vmfb)?;
+        let session = resident::session(&device, opts.device, &vmfb)?;
 
         let file = Weights::open(&dir.join("model.safetensors"))?;
         let first = &g.manifest.entry_points[0];
+        let mut imports = ImportStats::default();
         let weights = first
             .weights()
             .map(|spec| {
                 let t = file.tensor(&spec.name, &spec.dims)?;
-                let (view, _mode) =
+                let (view, mode) =
                     BufferView::import_host(&device, TensorBytes(t), &spec.dims, ElementType::F32)?;
+                let bytes = view.byte_length() as u64;
+                match mode {
+                    ImportMode::ZeroCopy => {
+                        imports.zero_copy += 1;
+                        imports.zero_copy_bytes += bytes;
+                    }
+                    ImportMode::Copied { .. } => {
+                        imports.copied += 1;
+                        imports.copied_bytes += bytes;
+                    }
+                }
                 Ok(view)
             })
             .collect::<Result<Vec<_>>>()?;
@@ -191,14 +204,14 @@ impl IreeModel {
             mlir_bytes: g.mlir.len(),
             compile,
             cache_hit,
-            imports: device.import_stats(),
+            imports,
         };
         Ok(IreeModel {
             cfg,
             target: opts.target,
             manifest: g.manifest,
             device,
-            session: Mutex::new(session),
+            session,
             weights,
             embed_tokens,
             input,
@@ -355,6 +368,7 @@ impl IreeModel {
         };
         let session = self
             .session
+            .session()
             .lock()
             .map_err(|_| self.backend_error("lock session", "a previous call panicked"))?;
         let mut last = None;

@@ -637,13 +637,18 @@ fn report_growth(what: &str, g: Option<rss::Growth>) {
     let Some(g) = g else {
         return skip(&format!("{what}: no /proc/self/status"));
     };
+    let heap = match (g.heap_kib, g.heap_kib()) {
+        (Some((a, b)), Some(d)) => format!("heap in use {a} KiB -> {b} KiB ({d:+} KiB)"),
+        _ => "heap in use not reported by this C library".to_string(),
+    };
     let _ = writeln!(
         std::io::stderr(),
-        "{what}: RSS {} KiB -> {} KiB ({:+} KiB over {} cycles)",
+        "{what}: RSS {} KiB -> {} KiB ({:+} KiB over {} cycles; samples {:?} KiB); {heap}",
         g.before_kib,
         g.after_kib,
         g.kib(),
-        g.cycles
+        g.cycles,
+        g.samples_kib
     );
     assert!(
         g.kib() < LEAK_LIMIT_KIB,
@@ -651,6 +656,13 @@ fn report_growth(what: &str, g: Option<rss::Growth>) {
         g.kib(),
         g.cycles
     );
+    if let Some(d) = g.heap_kib() {
+        assert!(
+            d < LEAK_LIMIT_KIB,
+            "{what}: the heap's bytes in use grew {d} KiB over {} cycles",
+            g.cycles
+        );
+    }
 }
 
 /// Checks that the backend allocator's live bytes came back to `before` (exactly: on the CPU
