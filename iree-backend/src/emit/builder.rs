@@ -50,6 +50,8 @@ pub enum Reduction {
     Sum,
     /// `stablehlo.maximum`, initial value -inf (f32) or `i32::MIN`.
     Max,
+    /// `stablehlo.minimum`, initial value +inf (f32) or `i32::MAX`.
+    Min,
 }
 
 /// Dimension numbers of `stablehlo.dot_general`.
@@ -531,6 +533,8 @@ impl FuncBuilder {
             (Reduction::Max, ElemType::F32) => self.const_f32(f32::NEG_INFINITY, &[]),
             (Reduction::Sum, ElemType::I32) => self.const_i32(0, &[]),
             (Reduction::Max, ElemType::I32) => self.const_i32(i32::MIN, &[]),
+            (Reduction::Min, ElemType::F32) => self.const_f32(f32::INFINITY, &[]),
+            (Reduction::Min, ElemType::I32) => self.const_i32(i32::MAX, &[]),
             (_, ElemType::I1) => panic!("reduce: i1 operands are not supported"),
         };
         let out = x.ty.elem_dims(&self.reduced_dims(x, dims));
@@ -540,6 +544,7 @@ impl FuncBuilder {
         let combiner = match kind {
             Reduction::Sum => "add",
             Reduction::Max => "maximum",
+            Reduction::Min => "minimum",
         };
         writeln!(
             self.body,
