@@ -523,11 +523,7 @@ impl KvModel for IreeModel {
                 cause: cause.clone(),
             });
         }
-        let bufs = kv
-            .bufs
-            .iter()
-            .map(BufferView::device_copy)
-            .collect::<Result<Vec<_>>>()?;
+        let bufs = BufferView::device_copies(&kv.bufs)?;
         Ok(IreeKv {
             len: kv.len,
             bufs,

@@ -416,40 +416,63 @@ impl BufferView {
     /// through the host). Used for KV snapshots: later in-place updates of either buffer do not
     /// affect the other.
     pub fn device_copy(&self) -> Result<BufferView> {
-        let shape = self.shape();
-        let elem = self.element_type().ok_or_else(|| {
-            backend_error(
-                self.device.backend(),
-                "device copy",
-                "unsupported element type",
-            )
-        })?;
-        let copy = Self::allocate(&self.device, &shape, elem)?;
-        let len = self.byte_length();
-        if len > 0 {
-            let (src, dst) = (self.buffer(), copy.buffer());
-            self.device.submit_and_wait(
-                &|| format!("device copy of {len} bytes"),
-                |wait, signal| {
-                    // SAFETY: both buffers are live for the whole wait (held by `self`/`copy`).
-                    unsafe {
-                        sys::iree_hal_device_queue_copy(
-                            self.device.inner.raw,
-                            ffi::QUEUE_AFFINITY_ANY,
-                            wait,
-                            signal,
-                            src,
-                            0,
-                            dst,
-                            0,
-                            len,
-                            sys::iree_hal_copy_flag_bits_t_IREE_HAL_COPY_FLAG_NONE as _,
-                        )
-                    }
-                },
-            )?;
-        }
-        Ok(copy)
+        let mut copies = Self::device_copies(std::slice::from_ref(self))?;
+        Ok(copies.pop().expect("one copy per view"))
+    }
+
+    /// [`BufferView::device_copy`] of every view (all on one device), as one batch: the copies are
+    /// submitted together and waited for once, where one by one each paid a host round trip
+    /// (a 39-buffer KV state: 5-7 ms on the CPU device).
+    pub fn device_copies(views: &[BufferView]) -> Result<Vec<BufferView>> {
+        let Some(first) = views.first() else {
+            return Ok(Vec::new());
+        };
+        let device = &first.device;
+        let copies = views
+            .iter()
+            .map(|v| {
+                if !std::sync::Arc::ptr_eq(&v.device.inner, &device.inner) {
+                    return Err(backend_error(
+                        device.backend(),
+                        "device copy",
+                        "the buffers belong to different devices",
+                    ));
+                }
+                let elem = v.element_type().ok_or_else(|| {
+                    backend_error(device.backend(), "device copy", "unsupported element type")
+                })?;
+                Self::allocate(device, &v.shape(), elem)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let pairs: Vec<(&BufferView, &BufferView)> = views
+            .iter()
+            .zip(&copies)
+            .filter(|(v, _)| v.byte_length() > 0)
+            .collect();
+        let total: usize = pairs.iter().map(|(v, _)| v.byte_length()).sum();
+        device.submit_all_and_wait(
+            &|| format!("device copy of {total} bytes in {} buffers", pairs.len()),
+            pairs.len(),
+            |i, wait, signal| {
+                let (src, dst) = pairs[i];
+                // SAFETY: both buffers are live for the whole wait (held by `views`/`copies`).
+                unsafe {
+                    sys::iree_hal_device_queue_copy(
+                        device.inner.raw,
+                        ffi::QUEUE_AFFINITY_ANY,
+                        wait,
+                        signal,
+                        src.buffer(),
+                        0,
+                        dst.buffer(),
+                        0,
+                        src.byte_length(),
+                        sys::iree_hal_copy_flag_bits_t_IREE_HAL_COPY_FLAG_NONE as _,
+                    )
+                }
+            },
+        )?;
+        Ok(copies)
     }
 
     /// Copies the whole buffer to the host (synchronous). The explicit debug/parity path: device
