@@ -187,6 +187,11 @@ impl IreeModel {
                     ImportMode::Copied { .. } => {
                         imports.copied += 1;
                         imports.copied_bytes += bytes;
+                        // The device has its copy (Vulkan): the pages the upload read need not
+                        // stay in this process's RSS (the host later reads only embedding rows).
+                        let _ = file
+                            .tensor(&spec.name, &spec.dims)?
+                            .release_resident_pages();
                     }
                 }
                 Ok(view)

@@ -55,6 +55,28 @@ impl Tensor {
     pub fn is_mapped(&self) -> bool {
         matches!(self.storage, Storage::Mapped { .. })
     }
+
+    /// Drops this process's resident pages of a mapped tensor (`madvise(MADV_DONTNEED)` on its
+    /// range); the file's pages stay in the page cache and a later read maps them in again. For
+    /// a loader that copied the tensor elsewhere (a GPU): its RSS then stops counting the
+    /// upload. Advice only: an error changes nothing; an owned tensor has nothing to drop.
+    pub fn release_resident_pages(&self) -> std::io::Result<()> {
+        match &self.storage {
+            Storage::Mapped { mmap, offset, len } => {
+                // SAFETY: the mapping is a read-only shared file mapping: after DONTNEED a read
+                // faults the same file bytes in again, so every view of it stays valid and
+                // unchanged.
+                unsafe {
+                    mmap.unchecked_advise_range(
+                        memmap2::UncheckedAdvice::DontNeed,
+                        *offset,
+                        *len * std::mem::size_of::<f32>(),
+                    )
+                }
+            }
+            Storage::Owned(_) => Ok(()),
+        }
+    }
 }
 
 impl Deref for Tensor {
@@ -300,6 +322,12 @@ mod tests {
             w.tensor("c", &[1]),
             Err(Error::WeightsMismatch { .. })
         ));
+        // Dropping the resident pages keeps every view valid: reads map the same bytes again.
+        b.release_resident_pages().unwrap();
+        assert_eq!(&b[..], &(0..32).map(|i| i as f32).collect::<Vec<_>>()[..]);
+        Tensor::owned(vec![1.0], vec![1])
+            .release_resident_pages()
+            .unwrap();
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

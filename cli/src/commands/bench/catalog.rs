@@ -370,7 +370,7 @@ impl Report {
                 "peak RSS".into(),
                 format!("{:.0} MB", peak_rss as f64 / 1e6),
                 format!("{:.0} MB weights", weights as f64 / 1e6),
-                format!("+{:.0} MB", (peak_rss as f64 - weights as f64) / 1e6),
+                format!("{:+.0} MB", (peak_rss as f64 - weights as f64) / 1e6),
             ],
         ];
         let header = format!(
