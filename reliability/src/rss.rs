@@ -90,9 +90,9 @@ fn sample() -> Option<(u64, Option<u64>)> {
 }
 
 /// Samples of RSS taken over the measured cycles.
-const SAMPLES: usize = 21;
+const SAMPLES: usize = 41;
 /// Samples at each end of the run that [`Growth`] compares (the first and last 10% of the cycles).
-const END_SAMPLES: usize = 3;
+const END_SAMPLES: usize = 5;
 
 /// RSS growth over `cycles` runs of `cycle`, after `warm_up` runs that are not measured.
 ///

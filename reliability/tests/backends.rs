@@ -45,12 +45,13 @@ kvsnap_reliability::reliability_tests!(
 );
 
 /// The leak rows' counts on Vulkan: the full measured counts after longer warm-ups. On lavapipe
-/// RSS climbs for the first few hundred model loads (its threads' heap arenas grow to their
-/// working size) before it levels off, while the heap's bytes in use stay flat from the start.
+/// RSS climbs for the first few hundred model loads (one run still rose by 0.8 MB over the
+/// first 250 measured cycles after a 300-cycle warm-up) before it levels off, while the heap's
+/// bytes in use stay flat from the start.
 #[cfg(feature = "iree-vulkan")]
 const VULKAN_CYCLES: kvsnap_reliability::rows::Cycles = kvsnap_reliability::rows::Cycles {
-    open_warm_up: 300,
-    snapshot_warm_up: 3_000,
+    open_warm_up: 600,
+    snapshot_warm_up: 5_000,
     ..kvsnap_reliability::rows::Cycles::FULL
 };
 
