@@ -167,7 +167,7 @@ impl IreeModel {
             }
         };
         let compile = start.elapsed();
-        let session = resident::session(&device, opts.device, &vmfb)?;
+        let session = resident::session(&device, &vmfb)?;
 
         let file = Weights::open(&dir.join("model.safetensors"))?;
         let first = &g.manifest.entry_points[0];

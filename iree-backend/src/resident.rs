@@ -70,7 +70,8 @@ pub struct Resident {
 type DeviceKey = (DeviceKind, usize);
 
 struct Module {
-    device: DeviceKey,
+    /// The device it was loaded on (held, so the identity compared below stays unique).
+    device: Device,
     vmfb_sha256: [u8; 32],
     session: SharedSession,
     /// Registry clock at the last load that used it (least recently used leaves first).
@@ -126,13 +127,9 @@ pub fn device(kind: DeviceKind, ordinal: usize) -> Result<Device> {
     Ok(device)
 }
 
-/// A lease of the module `vmfb` loaded on the resident `device` (from [`device`], number
-/// `ordinal`): the resident one when these exact bytes were loaded on it before, else a new one.
-pub fn session(device: &Device, ordinal: usize, vmfb: &[u8]) -> Result<Lease> {
-    let key = match device.kind() {
-        DeviceKind::Cpu => (DeviceKind::Cpu, 0),
-        kind => (kind, ordinal),
-    };
+/// A lease of the module `vmfb` loaded on `device` (one from [`device`]): the resident one when
+/// these exact bytes were loaded on that device before, else a new one.
+pub fn session(device: &Device, vmfb: &[u8]) -> Result<Lease> {
     let sha: [u8; 32] = Sha256::digest(vmfb).into();
     let mut reg = registry();
     reg.clock += 1;
@@ -140,7 +137,7 @@ pub fn session(device: &Device, ordinal: usize, vmfb: &[u8]) -> Result<Lease> {
     if let Some(m) = reg
         .modules
         .iter_mut()
-        .find(|m| m.device == key && m.vmfb_sha256 == sha)
+        .find(|m| Arc::ptr_eq(&m.device.inner, &device.inner) && m.vmfb_sha256 == sha)
     {
         m.last_used = now;
         return Ok(Lease {
@@ -149,7 +146,7 @@ pub fn session(device: &Device, ordinal: usize, vmfb: &[u8]) -> Result<Lease> {
     }
     let session = Arc::new(Mutex::new(Session::new(device, vmfb)?));
     reg.modules.push(Module {
-        device: key,
+        device: device.clone(),
         vmfb_sha256: sha,
         session: Arc::clone(&session),
         last_used: now,

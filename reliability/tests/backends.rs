@@ -34,7 +34,7 @@ kvsnap_reliability::reliability_tests!(
 // Vulkan, behind `--features iree-vulkan` (scripts/test.sh turns it on): lavapipe (a CPU Vulkan
 // driver) runs every dispatch on the CPU, so these rows take minutes. No `live_bytes`: IREE 3.13's
 // Vulkan allocator does not record the frees of pooled allocations (see `AllocatorStats`), so
-// only RSS is checked.
+// the leak rows check RSS and the C heap's bytes in use only.
 #[cfg(feature = "iree-vulkan")]
 kvsnap_reliability::reliability_tests!(
     iree_vulkan,
