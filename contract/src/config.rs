@@ -65,6 +65,20 @@ impl ModelConfig {
         Self::from_json(&text, path)
     }
 
+    /// The `config.json` of a model directory, with `capacity` tokens of context per KV state
+    /// when given (else [`DEFAULT_CONTEXT_CAPACITY`]); a capacity the config cannot take is a
+    /// [`Error::Config`] naming the file.
+    pub fn from_dir(dir: &Path, capacity: Option<usize>) -> Result<Self> {
+        let path = dir.join("config.json");
+        let cfg = Self::from_file(&path)?;
+        match capacity {
+            Some(capacity) => cfg
+                .with_context_capacity(capacity)
+                .map_err(|problem| Error::Config { path, problem }),
+            None => Ok(cfg),
+        }
+    }
+
     /// Parses a Hugging Face Gemma 3 text config (`model_type` `gemma3_text`, or a `gemma3`
     /// config whose `text_config` holds it). `path` is only used in error messages.
     pub fn from_json(text: &str, path: &Path) -> Result<Self> {
@@ -454,5 +468,27 @@ mod tests {
         assert!(c.clone().with_context_capacity(32768).is_ok());
         assert!(c.clone().with_context_capacity(32769).is_err());
         assert!(c.with_context_capacity(0).is_err());
+    }
+
+    #[test]
+    fn from_dir_applies_the_capacity_and_names_the_file() {
+        let dir = std::env::temp_dir().join(format!("kvsnap-config-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("config.json"), GEMMA_270M).unwrap();
+        assert_eq!(
+            ModelConfig::from_dir(&dir, None).unwrap().context_capacity,
+            DEFAULT_CONTEXT_CAPACITY
+        );
+        assert_eq!(
+            ModelConfig::from_dir(&dir, Some(48))
+                .unwrap()
+                .context_capacity,
+            48
+        );
+        match ModelConfig::from_dir(&dir, Some(32769)) {
+            Err(Error::Config { path, .. }) => assert_eq!(path, dir.join("config.json")),
+            other => panic!("{other:?}"),
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -138,14 +138,7 @@ impl IreeModel {
     /// Loads `config.json` and `model.safetensors` from an HF checkpoint directory, builds and
     /// compiles (cached) the graphs, opens the device and imports the weights.
     pub fn load(dir: &Path, opts: &IreeOptions) -> Result<Self> {
-        let path = dir.join("config.json");
-        let mut cfg = ModelConfig::from_file(&path)?;
-        if let Some(capacity) = opts.capacity {
-            cfg = cfg
-                .with_context_capacity(capacity)
-                .map_err(|problem| Error::Config { path, problem })?;
-        }
-        Self::load_config(dir, cfg, opts)
+        Self::load_config(dir, ModelConfig::from_dir(dir, opts.capacity)?, opts)
     }
 
     /// Like [`IreeModel::load`] with an already parsed config.

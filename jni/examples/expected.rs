@@ -28,7 +28,7 @@
 use std::path::Path;
 use std::process::ExitCode;
 
-use kvsnap_contract::{Error, KvModel, Logits, ModelConfig, Result};
+use kvsnap_contract::{KvModel, Logits, ModelConfig, Result};
 use kvsnap_iree::compile::{Compiler, Target};
 use kvsnap_iree::runtime::{Device, Instance};
 use kvsnap_iree::{model_graphs, module, IreeOptions};
@@ -138,13 +138,7 @@ fn flow(
 
 /// Writes the llvm-cpu module of `dir`'s config (with `capacity`, if given) to `out`.
 fn export(dir: &Path, out: &Path, capacity: Option<usize>) -> Result<()> {
-    let path = dir.join("config.json");
-    let mut cfg = ModelConfig::from_file(&path)?;
-    if let Some(c) = capacity {
-        cfg = cfg
-            .with_context_capacity(c)
-            .map_err(|problem| Error::Config { path, problem })?;
-    }
+    let cfg = ModelConfig::from_dir(dir, capacity)?;
     let graphs = model_graphs(&cfg, &IreeOptions::cpu());
     let compiler = Compiler::discover()?;
     let compiled = compiler.compile(&graphs.mlir, Target::LlvmCpu, &mut |_| {})?;

@@ -24,17 +24,12 @@ impl ReferenceModel {
     /// Loads `config.json` and `model.safetensors` from an HF checkpoint directory, with the
     /// default context capacity.
     pub fn load(dir: &Path) -> Result<Self> {
-        let cfg = ModelConfig::from_file(&dir.join("config.json"))?;
-        Self::load_config(dir, cfg)
+        Self::load_config(dir, ModelConfig::from_dir(dir, None)?)
     }
 
     /// Like [`ReferenceModel::load`], with `capacity` tokens of context per KV state.
     pub fn load_with_capacity(dir: &Path, capacity: usize) -> Result<Self> {
-        let path = dir.join("config.json");
-        let cfg = ModelConfig::from_file(&path)?
-            .with_context_capacity(capacity)
-            .map_err(|problem| Error::Config { path, problem })?;
-        Self::load_config(dir, cfg)
+        Self::load_config(dir, ModelConfig::from_dir(dir, Some(capacity))?)
     }
 
     /// Loads the weights of `dir/model.safetensors` for an already parsed `cfg`.

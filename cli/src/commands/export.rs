@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use anyhow::{bail, Context};
-use kvsnap_contract::{Error, ModelConfig};
+use kvsnap_contract::ModelConfig;
 use kvsnap_iree::compile::{Compiler, Target};
 use kvsnap_iree::{model_graphs, module, IreeOptions};
 
@@ -35,13 +35,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         "vulkan-spirv" | "vulkan" => Target::VulkanSpirv,
         other => bail!("unknown target `{other}` (known: llvm-cpu, vulkan-spirv)"),
     };
-    let path = args.model.join("config.json");
-    let mut cfg = ModelConfig::from_file(&path)?;
-    if let Some(capacity) = args.capacity {
-        cfg = cfg
-            .with_context_capacity(capacity)
-            .map_err(|problem| Error::Config { path, problem })?;
-    }
+    let cfg = ModelConfig::from_dir(&args.model, args.capacity)?;
     let opts = IreeOptions {
         target,
         ..IreeOptions::cpu()
