@@ -66,6 +66,32 @@ pub fn write(dir: &Path, target: Target, mlir: &str, vmfb: &[u8], compiler: &str
     Ok(())
 }
 
+/// Builds the module `IreeModel::load` would run for `cfg` on `target` (default chunk sizes),
+/// compiles it through the compile cache (`progress` sees the compiler's progress) and writes it
+/// into `dir`: what `kvsnap export` does. Returns the graphs and the compiled module.
+pub fn export(
+    dir: &Path,
+    cfg: &kvsnap_contract::ModelConfig,
+    target: Target,
+    progress: &mut dyn FnMut(&crate::compile::CompileProgress),
+) -> Result<(crate::graphs::Graphs, crate::compile::Compiled)> {
+    let opts = crate::IreeOptions {
+        target,
+        ..crate::IreeOptions::cpu()
+    };
+    let graphs = crate::model_graphs(cfg, &opts);
+    let compiler = crate::compile::Compiler::discover()?;
+    let compiled = compiler.compile(&graphs.mlir, target, progress)?;
+    write(
+        dir,
+        target,
+        &graphs.mlir,
+        &compiled.vmfb,
+        compiler.version(),
+    )?;
+    Ok((graphs, compiled))
+}
+
 /// Reads the vmfb of `target` from `dir`, checking it was compiled from `mlir`.
 pub fn read(dir: &Path, target: Target, mlir: &str) -> Result<Vec<u8>> {
     let (_, vmfb_path, json_path) = paths(dir, target);

@@ -29,9 +29,9 @@ use std::path::Path;
 use std::process::ExitCode;
 
 use kvsnap_contract::{KvModel, Logits, ModelConfig, Result};
-use kvsnap_iree::compile::{Compiler, Target};
+use kvsnap_iree::compile::Target;
+use kvsnap_iree::module;
 use kvsnap_iree::runtime::{Device, Instance};
-use kvsnap_iree::{model_graphs, module, IreeOptions};
 use kvsnap_reference::tiny::{self, Preset, DEFAULT_SEED};
 use kvsnap_reference::ReferenceModel;
 
@@ -139,14 +139,6 @@ fn flow(
 /// Writes the llvm-cpu module of `dir`'s config (with `capacity`, if given) to `out`.
 fn export(dir: &Path, out: &Path, capacity: Option<usize>) -> Result<()> {
     let cfg = ModelConfig::from_dir(dir, capacity)?;
-    let graphs = model_graphs(&cfg, &IreeOptions::cpu());
-    let compiler = Compiler::discover()?;
-    let compiled = compiler.compile(&graphs.mlir, Target::LlvmCpu, &mut |_| {})?;
-    module::write(
-        out,
-        Target::LlvmCpu,
-        &graphs.mlir,
-        &compiled.vmfb,
-        compiler.version(),
-    )
+    module::export(out, &cfg, Target::LlvmCpu, &mut |_| {})?;
+    Ok(())
 }

@@ -60,26 +60,14 @@ const VULKAN_CYCLES: kvsnap_reliability::rows::Cycles = kvsnap_reliability::rows
 mod iree_only {
     use super::*;
     use kvsnap_contract::{Error, KvModel, Logits, ModelConfig};
-    use kvsnap_iree::compile::{Compiler, Target};
-    use kvsnap_iree::{model_graphs, module};
+    use kvsnap_iree::compile::Target;
+    use kvsnap_iree::module;
     use kvsnap_reliability::fixtures::CAPACITY;
     use kvsnap_reliability::witness::{expect_err, isolated};
 
     /// Writes the llvm-cpu module of `cfg` into `dir`, as `kvsnap export` does.
     fn export(dir: &Path, cfg: &ModelConfig) {
-        let graphs = model_graphs(cfg, &IreeOptions::cpu());
-        let compiler = Compiler::discover().expect("iree-compile");
-        let compiled = compiler
-            .compile(&graphs.mlir, Target::LlvmCpu, &mut |_| {})
-            .expect("compiling the tiny module");
-        module::write(
-            dir,
-            Target::LlvmCpu,
-            &graphs.mlir,
-            &compiled.vmfb,
-            compiler.version(),
-        )
-        .expect("writing the module");
+        module::export(dir, cfg, Target::LlvmCpu, &mut |_| {}).expect("exporting the tiny module");
     }
 
     /// A module exported for the tiny model with another capacity is refused with a typed

@@ -8,8 +8,8 @@ use std::time::Instant;
 
 use anyhow::{bail, Context};
 use kvsnap_contract::ModelConfig;
-use kvsnap_iree::compile::{Compiler, Target};
-use kvsnap_iree::{model_graphs, module, IreeOptions};
+use kvsnap_iree::compile::Target;
+use kvsnap_iree::module;
 
 /// Arguments of `kvsnap export`.
 #[derive(clap::Args)]
@@ -36,22 +36,9 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         other => bail!("unknown target `{other}` (known: llvm-cpu, vulkan-spirv)"),
     };
     let cfg = ModelConfig::from_dir(&args.model, args.capacity)?;
-    let opts = IreeOptions {
-        target,
-        ..IreeOptions::cpu()
-    };
-    let graphs = model_graphs(&cfg, &opts);
-    let compiler = Compiler::discover()?;
     let start = Instant::now();
-    let compiled = compiler.compile(&graphs.mlir, target, &mut |p| eprintln!("{p}"))?;
-    module::write(
-        &args.out,
-        target,
-        &graphs.mlir,
-        &compiled.vmfb,
-        compiler.version(),
-    )
-    .with_context(|| format!("writing the module to {}", args.out.display()))?;
+    let (graphs, compiled) = module::export(&args.out, &cfg, target, &mut |p| eprintln!("{p}"))
+        .with_context(|| format!("exporting the module to {}", args.out.display()))?;
     let (mlir, vmfb, json) = module::paths(&args.out, target);
     println!(
         "exported {} ({} KB of MLIR, {} entry points) and {} ({:.1} MB) in {:.1} s; {}",
