@@ -8,6 +8,7 @@
 
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvsnap_contract::{check, Error, KvModel, Logits, ModelConfig, Next, Result};
@@ -16,6 +17,8 @@ use kvsnap_reference::{Tensor, Weights};
 
 use crate::compile::{CompileProgress, Compiler, Target};
 use crate::graphs::{self, entry_name, DType, Input, Manifest, DEFAULT_CHUNKS};
+pub use crate::kv::IreeKv;
+use crate::kv::KvPool;
 use crate::resident::{self, Lease};
 use crate::runtime::{BufferView, Device, DeviceKind, ElementType, ImportMode, ImportStats};
 
@@ -100,18 +103,8 @@ pub struct IreeModel {
     /// Test hook: 0 = off, k + 1 = fail the next call after its chunk `k` (see
     /// [`IreeModel::set_fault_after_chunk`]).
     fault_after_chunk: AtomicU64,
-}
-
-/// The KV state of one sequence: its device buffers (manifest KV order) and length.
-///
-/// The graphs update some buffers in place, so a buffer is never shared between two states:
-/// [`KvModel::snapshot`] copies every buffer on the device.
-#[derive(Debug)]
-pub struct IreeKv {
-    len: usize,
-    bufs: Vec<BufferView>, // [layer][k, v], then sliding.positions
-    /// Set when a device call failed midway: the buffers may hold part of an update.
-    poisoned: Option<String>,
+    /// Buffer sets of released states, for the next ones (see [`crate::kv`]).
+    kv_pool: Arc<KvPool>,
 }
 
 /// A weight tensor as host bytes for [`BufferView::import_host`]; owns the mapping (or the
@@ -204,6 +197,17 @@ impl IreeModel {
             cache_hit,
             imports,
         };
+        let kv_specs = first
+            .kv()
+            .map(|spec| {
+                let elem = match spec.dtype {
+                    DType::F32 => ElementType::F32,
+                    DType::I32 => ElementType::I32,
+                };
+                (spec.dims.clone(), elem)
+            })
+            .collect();
+        let kv_pool = KvPool::new(kv_specs, &g.manifest.kv_layouts, g.manifest.capacity);
         Ok(IreeModel {
             cfg,
             target: opts.target,
@@ -216,6 +220,7 @@ impl IreeModel {
             report,
             kv_copies: AtomicU64::new(0),
             fault_after_chunk: AtomicU64::new(0),
+            kv_pool,
         })
     }
 
@@ -278,6 +283,12 @@ impl IreeModel {
         self.kv_copies.load(Ordering::Relaxed)
     }
 
+    /// Buffer sets of released states this model keeps for its next states (at most
+    /// [`crate::kv::MAX_FREE_SETS`]; none once its last state is released).
+    pub fn kv_free_sets(&self) -> usize {
+        self.kv_pool.free_sets()
+    }
+
     /// The device the model runs on.
     pub fn device(&self) -> &Device {
         &self.device
@@ -285,22 +296,7 @@ impl IreeModel {
 
     /// A fresh, zeroed KV state.
     fn new_kv(&self) -> Result<IreeKv> {
-        let first = &self.manifest.entry_points[0];
-        let bufs = first
-            .kv()
-            .map(|spec| {
-                let elem = match spec.dtype {
-                    DType::F32 => ElementType::F32,
-                    DType::I32 => ElementType::I32,
-                };
-                BufferView::zeros(&self.device, &spec.dims, elem)
-            })
-            .collect::<Result<Vec<_>>>()?;
-        Ok(IreeKv {
-            len: 0,
-            bufs,
-            poisoned: None,
-        })
+        self.kv_pool.zeros(&self.device)
     }
 
     /// Splits `n` rows starting at position `pos` into `(chunk size, valid rows)` calls: the
@@ -398,6 +394,8 @@ impl IreeModel {
                 }
             };
             let pos0 = BufferView::from_i32(&self.device, &[], &[kv.len as i32])?;
+            // The call writes full-layer rows up to `kv.len + c`, padding included.
+            kv.written = kv.written.max((kv.len + c).min(self.manifest.capacity));
             let nvalid = BufferView::from_i32(&self.device, &[], &[valid as i32])?;
             let mut args: Vec<&BufferView> = vec![&first, &pos0, &nvalid];
             args.extend(self.weights.iter());
@@ -521,12 +519,7 @@ impl KvModel for IreeModel {
                 cause: cause.clone(),
             });
         }
-        let bufs = BufferView::device_copies(&kv.bufs)?;
-        Ok(IreeKv {
-            len: kv.len,
-            bufs,
-            poisoned: None,
-        })
+        self.kv_pool.copy(&self.device, kv)
     }
 
     fn len(&self, kv: &IreeKv) -> usize {

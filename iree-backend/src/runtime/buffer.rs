@@ -69,6 +69,38 @@ impl ElementType {
     }
 }
 
+/// One queue operation of [`BufferView::transfer`], in bytes.
+#[derive(Debug)]
+pub enum Transfer<'a> {
+    /// `len` bytes of `src` at `offset` to the same offset of `dst`.
+    Copy {
+        src: &'a BufferView,
+        dst: &'a BufferView,
+        offset: usize,
+        len: usize,
+    },
+    /// `len` zero bytes into `dst` at `offset` (both multiples of 4).
+    Zero {
+        dst: &'a BufferView,
+        offset: usize,
+        len: usize,
+    },
+}
+
+impl Transfer<'_> {
+    /// Bytes the operation writes.
+    pub fn len(&self) -> usize {
+        match self {
+            Transfer::Copy { len, .. } | Transfer::Zero { len, .. } => *len,
+        }
+    }
+
+    /// Whether it writes nothing.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
 /// A device buffer with a shape and an element type (`iree_hal_buffer_view_t`).
 ///
 /// Dropping it releases the reference; the memory goes when IREE holds no other reference (a
@@ -431,48 +463,121 @@ impl BufferView {
         let copies = views
             .iter()
             .map(|v| {
-                if !std::sync::Arc::ptr_eq(&v.device.inner, &device.inner) {
-                    return Err(backend_error(
-                        device.backend(),
-                        "device copy",
-                        "the buffers belong to different devices",
-                    ));
-                }
                 let elem = v.element_type().ok_or_else(|| {
                     backend_error(device.backend(), "device copy", "unsupported element type")
                 })?;
                 Self::allocate(device, &v.shape(), elem)
             })
             .collect::<Result<Vec<_>>>()?;
-        let pairs: Vec<(&BufferView, &BufferView)> = views
+        let ops: Vec<Transfer> = views
             .iter()
             .zip(&copies)
-            .filter(|(v, _)| v.byte_length() > 0)
+            .map(|(src, dst)| Transfer::Copy {
+                src,
+                dst,
+                offset: 0,
+                len: src.byte_length(),
+            })
             .collect();
-        let total: usize = pairs.iter().map(|(v, _)| v.byte_length()).sum();
+        Self::transfer(device, &ops)?;
+        Ok(copies)
+    }
+
+    /// Runs `ops` on `device`'s queue as one batch: submitted together, waited for once. Empty
+    /// ranges are skipped; every buffer must belong to `device` and every range lie inside its
+    /// buffers (checked here: an error names the operation, nothing is submitted).
+    pub fn transfer(device: &Device, ops: &[Transfer]) -> Result<()> {
+        let backend = device.backend();
+        for op in ops {
+            let (views, offset, len): (&[&BufferView], _, _) = match op {
+                Transfer::Copy {
+                    src,
+                    dst,
+                    offset,
+                    len,
+                } => (&[src, dst], *offset, *len),
+                Transfer::Zero { dst, offset, len } => (&[dst], *offset, *len),
+            };
+            for v in views {
+                if !std::sync::Arc::ptr_eq(&v.device.inner, &device.inner) {
+                    return Err(backend_error(
+                        backend,
+                        "device transfer",
+                        "the buffers belong to different devices",
+                    ));
+                }
+                let zero = matches!(op, Transfer::Zero { .. });
+                if zero && (offset % 4 != 0 || len % 4 != 0) {
+                    return Err(backend_error(
+                        backend,
+                        "device transfer",
+                        format!("{op:?}: a zero fill needs an offset and length in whole words"),
+                    ));
+                }
+                if offset
+                    .checked_add(len)
+                    .is_none_or(|end| end > v.byte_length())
+                {
+                    return Err(backend_error(
+                        backend,
+                        "device transfer",
+                        format!(
+                            "{op:?} reaches past the end of a {}-byte buffer",
+                            v.byte_length()
+                        ),
+                    ));
+                }
+            }
+        }
+        let ops: Vec<&Transfer> = ops.iter().filter(|op| !op.is_empty()).collect();
+        let copied: usize = ops.iter().map(|op| op.len()).sum();
         device.submit_all_and_wait(
-            &|| format!("device copy of {total} bytes in {} buffers", pairs.len()),
-            pairs.len(),
-            |i, wait, signal| {
-                let (src, dst) = pairs[i];
-                // SAFETY: both buffers are live for the whole wait (held by `views`/`copies`).
-                unsafe {
+            &|| {
+                format!(
+                    "device transfer of {copied} bytes in {} operations",
+                    ops.len()
+                )
+            },
+            ops.len(),
+            |i, wait, signal| match *ops[i] {
+                // SAFETY (both arms): the buffers are live for the whole wait (borrowed by
+                // `ops`), the ranges were checked above, and a fill's pattern is copied at submit.
+                Transfer::Copy {
+                    src,
+                    dst,
+                    offset,
+                    len,
+                } => unsafe {
                     sys::iree_hal_device_queue_copy(
                         device.inner.raw,
                         ffi::QUEUE_AFFINITY_ANY,
                         wait,
                         signal,
                         src.buffer(),
-                        0,
+                        offset as _,
                         dst.buffer(),
-                        0,
-                        src.byte_length(),
+                        offset as _,
+                        len as _,
                         sys::iree_hal_copy_flag_bits_t_IREE_HAL_COPY_FLAG_NONE as _,
                     )
-                }
+                },
+                Transfer::Zero { dst, offset, len } => unsafe {
+                    let pattern: u32 = 0;
+                    sys::iree_hal_device_queue_fill(
+                        device.inner.raw,
+                        ffi::QUEUE_AFFINITY_ANY,
+                        wait,
+                        signal,
+                        dst.buffer(),
+                        offset as _,
+                        len as _,
+                        (&pattern as *const u32).cast(),
+                        std::mem::size_of::<u32>(),
+                        0,
+                    )
+                },
             },
-        )?;
-        Ok(copies)
+        )
     }
 
     /// Copies the whole buffer to the host (synchronous). The explicit debug/parity path: device

@@ -21,7 +21,7 @@ mod instance;
 mod session;
 mod status;
 
-pub use buffer::{BufferView, ElementType, HOST_IMPORT_ALIGNMENT};
+pub use buffer::{BufferView, ElementType, Transfer, HOST_IMPORT_ALIGNMENT};
 pub use device::{AllocatorStats, Device, DeviceKind, ImportMode, ImportStats};
 pub use instance::Instance;
 pub use session::Session;

@@ -34,9 +34,13 @@ pub struct Served {
     pub prefill_s: f64,
     /// Snapshot of the prefilled prefix.
     pub snapshot_s: f64,
-    /// Live KV bytes of the prefix snapshot.
+    /// KV bytes the backend holds for the prefix snapshot (IREE: whole buffers, capacity rows
+    /// included).
     pub kv_bytes: u64,
-    /// Best copy of `kv_bytes` between two already faulted-in buffers.
+    /// KV bytes the prefix's positions occupy (sliding layers trimmed to their window): what a
+    /// snapshot must copy at least, the same figure for every backend.
+    pub live_kv_bytes: u64,
+    /// Best copy of `live_kv_bytes` between two already faulted-in buffers.
     pub memcpy_s: f64,
     /// The turns, in order.
     pub turns: Vec<Turn>,
@@ -119,11 +123,13 @@ pub fn serve<M: KvModel>(
         "turns served from one snapshot produced different tokens: a snapshot is not independent"
     );
     model.release(snapshot)?;
+    let live_kv_bytes = model.config().kv_bytes(w.prefix.len());
     Ok(Served {
         prefill_s,
         snapshot_s,
         kv_bytes,
-        memcpy_s: memcpy_seconds(kv_bytes as usize),
+        live_kv_bytes,
+        memcpy_s: memcpy_seconds(live_kv_bytes as usize),
         turns: served,
     })
 }
@@ -287,7 +293,8 @@ impl Report {
             "snapshot_s": served.snapshot_s,
             "restore_s": restore_s,
             "kv_bytes": served.kv_bytes,
-            "memcpy_kv_s": served.memcpy_s,
+            "live_kv_bytes": served.live_kv_bytes,
+            "memcpy_live_kv_s": served.memcpy_s,
             "decode_step_s": decode_step_s,
             "extend_tokens": nu,
             "extend_s": extend_s,
@@ -344,7 +351,7 @@ impl Report {
                 x(decode_step_s, floor_step),
             ],
             [
-                "snapshot of the prefix".into(),
+                "snapshot of the prefix (first)".into(),
                 fmt_s(served.snapshot_s),
                 format!("{} memcpy", fmt_s(served.memcpy_s)),
                 x(served.snapshot_s, served.memcpy_s),
@@ -477,6 +484,7 @@ mod tests {
             .iter()
             .all(|t| t.tokens.len() == 5 && t.step_s.len() == 4));
         assert_eq!(served.kv_bytes, model.config().kv_bytes(w.prefix.len()));
+        assert_eq!(served.live_kv_bytes, served.kv_bytes);
 
         let cost = CostModel::new(model.config());
         let tokens = &served.turns[0].tokens;

@@ -1,0 +1,164 @@
+//! The KV buffer pool of `IreeModel` (`kvsnap_iree::kv`): released states' buffer sets are
+//! reused, and a state started in a reused set holds exactly what it would in a fresh one
+//! (copied rows equal, every other full-layer row zero, the same logits bit for bit); poisoned
+//! states are not reused; the last release empties the pool and gives the allocator back what
+//! loading left.
+//!
+//! Prints `SKIPPED: iree-compile not found` (and passes) when the compiler is not installed.
+
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use kvsnap_contract::{KvModel, Logits};
+use kvsnap_iree::compile::Compiler;
+use kvsnap_iree::graphs::KvLayout;
+use kvsnap_iree::{IreeKv, IreeModel, IreeOptions};
+use kvsnap_reference::tiny::{write_model, Preset, DEFAULT_SEED};
+
+const CAPACITY: usize = 128;
+
+/// The tests share the model directory, the process's CPU device and its allocator count: one
+/// at a time.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn live_bytes(m: &IreeModel) -> u64 {
+    m.device().allocator_stats().live_bytes()
+}
+
+/// The allocator's live bytes once they equal `want`, or after 2 s: IREE's task queue releases
+/// a submission's buffers on a worker thread after signalling it done.
+fn settled(m: &IreeModel, want: u64) -> u64 {
+    let start = Instant::now();
+    loop {
+        let got = live_bytes(m);
+        if got == want || start.elapsed() > Duration::from_secs(2) {
+            return got;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+fn ids(n: usize, seed: u32) -> Vec<u32> {
+    (0..n as u32)
+        .map(|i| (i * 37 + seed * 11 + 3) % 500)
+        .collect()
+}
+
+/// Two independent loads of the tiny model (each with its own pool), or `None` (SKIPPED).
+fn models() -> Option<(IreeModel, IreeModel)> {
+    if let Err(e) = Compiler::discover() {
+        eprintln!("SKIPPED: iree-compile not found ({e})");
+        return None;
+    }
+    let dir = std::env::temp_dir().join(format!("kvsnap-kv-pool-{}", std::process::id()));
+    write_model(&dir, Preset::Tiny, DEFAULT_SEED).expect("tiny model");
+    let opts = IreeOptions {
+        capacity: Some(CAPACITY),
+        ..IreeOptions::cpu()
+    };
+    let load = || IreeModel::load(&dir, &opts).expect("tiny model on llvm-cpu");
+    Some((load(), load()))
+}
+
+fn bytes(kv: &IreeKv) -> Vec<Vec<u8>> {
+    kv.buffers()
+        .iter()
+        .map(|b| b.read_bytes().expect("read back"))
+        .collect()
+}
+
+/// Asserts equal buffers, naming the first byte that differs (not dumping megabytes).
+fn same_bytes<A: AsRef<[u8]>>(what: &str, got: &[A], want: &[A]) {
+    assert_eq!(got.len(), want.len(), "{what}: buffer count");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        let (g, w) = (g.as_ref(), w.as_ref());
+        assert_eq!(g.len(), w.len(), "{what}: buffer {i} length");
+        let first = g.iter().zip(w).position(|(a, b)| a != b);
+        assert_eq!(first, None, "{what}: buffer {i} differs from byte");
+    }
+}
+
+/// Whether buffer `i` of a state is a full layer's (`[capacity, ...]`, one row per position).
+fn is_full(m: &IreeModel, i: usize) -> bool {
+    m.manifest().kv_layouts.get(i / 2) == Some(&KvLayout::Full)
+}
+
+#[test]
+fn reused_sets_hold_exactly_what_fresh_ones_would() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let Some((m, fresh)) = models() else { return };
+    assert!(
+        (0..m.manifest().kv_layouts.len() * 2).any(|i| is_full(&m, i)),
+        "the tiny model needs a global layer for this test"
+    );
+    let alive = live_bytes(&m);
+    assert_eq!(m.kv_free_sets(), 0);
+
+    // A long state, and a copy of it that writes rows 40.. before it goes back to the pool.
+    let (a, _) = m.prefill(&ids(40, 1), Logits::Skip).unwrap();
+    let mut s = m.snapshot(&a).unwrap();
+    m.extend(&mut s, &ids(5, 2), Logits::Skip).unwrap();
+    drop(s);
+    assert_eq!(
+        m.kv_free_sets(),
+        1,
+        "a released state's set is kept while `a` lives"
+    );
+
+    // A prefill in the reused set equals one in a fresh model, buffers and logits.
+    let short = ids(5, 3);
+    let (b, got) = m.prefill(&short, Logits::Return).unwrap();
+    assert_eq!(m.kv_free_sets(), 0);
+    let (b_fresh, want) = fresh.prefill(&short, Logits::Return).unwrap();
+    assert_eq!(got.logits, want.logits);
+    same_bytes("prefill in a reused set", &bytes(&b), &bytes(&b_fresh));
+
+    // Dirty a set again, then snapshot the short state into it.
+    let mut s = m.snapshot(&a).unwrap();
+    m.step(&mut s, 7, Logits::Skip).unwrap();
+    drop(s);
+    let mut c = m.snapshot(&b).unwrap();
+    let (from, copy) = (bytes(&b), bytes(&c));
+    let len = m.len(&b);
+    for (i, (from, copy)) in from.iter().zip(&copy).enumerate() {
+        if is_full(&m, i) {
+            let row = from.len() / CAPACITY;
+            let what = format!("buffer {i}, rows ..{len}");
+            same_bytes(&what, &[&copy[..len * row]], &[&from[..len * row]]);
+            let nonzero = copy[len * row..].iter().position(|&x| x != 0);
+            assert_eq!(
+                nonzero, None,
+                "buffer {i}: rows {len}.. of a snapshot are zero"
+            );
+        } else {
+            same_bytes(&format!("buffer {i}, whole"), &[copy], &[from]);
+        }
+    }
+    // And it computes what the original does, bit for bit.
+    let mut b = b;
+    let next_c = m.step(&mut c, 9, Logits::Return).unwrap();
+    let next_b = m.step(&mut b, 9, Logits::Return).unwrap();
+    assert_eq!(next_c.logits, next_b.logits);
+
+    // A poisoned state's buffers are not reused.
+    let free = m.kv_free_sets();
+    m.set_fault_after_chunk(Some(0));
+    assert!(m.extend(&mut c, &ids(3, 4), Logits::Skip).is_err());
+    drop(c);
+    assert_eq!(m.kv_free_sets(), free, "a poisoned state's set is dropped");
+
+    // The last release empties the pool: the device allocator is back where loading left it.
+    drop((a, b, b_fresh));
+    assert_eq!(m.kv_free_sets(), 0);
+    assert_eq!(settled(&m, alive), alive);
+}
+
+#[test]
+fn a_state_of_another_model_is_refused() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let Some((m, other)) = models() else { return };
+    let (a, _) = other.prefill(&ids(4, 5), Logits::Skip).unwrap();
+    let e = m.snapshot(&a).unwrap_err();
+    assert!(e.to_string().contains("another model"), "{e}");
+    assert_eq!(m.kv_free_sets(), 0);
+}
