@@ -161,7 +161,7 @@ impl KvPool {
 
     fn put_back(&self, set: FreeSet, reusable: bool) {
         let mut inner = self.lock();
-        inner.live -= 1;
+        inner.live = inner.live.saturating_sub(1);
         let dropped: Vec<FreeSet> = if inner.live == 0 {
             std::mem::take(&mut inner.free)
         } else {
