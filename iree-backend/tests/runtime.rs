@@ -8,7 +8,7 @@ use std::sync::{Arc, OnceLock};
 use kvsnap_contract::Error;
 use kvsnap_iree::compile::{Compiler, Target};
 use kvsnap_iree::runtime::{
-    BufferView, Device, DeviceKind, ElementType, ImportMode, Instance, Session,
+    BufferView, Device, DeviceKind, ElementType, ImportMode, Instance, Session, Transfer,
     HOST_IMPORT_ALIGNMENT,
 };
 
@@ -537,6 +537,63 @@ fn zeros_and_write_bytes() {
             Err(Error::ShapeMismatch { .. })
         ));
         assert!(z.to_i32_vec().is_err(), "reading f32 as i32 is refused");
+    }
+}
+
+#[test]
+fn ranged_transfers_copy_and_zero_exactly_their_bytes() {
+    for (device, target) in devices() {
+        let v: Vec<f32> = (1..=15).map(|i| i as f32).collect();
+        let src = BufferView::from_f32(&device, &[3, 5], &v).unwrap();
+        let dst = BufferView::from_f32(&device, &[3, 5], &[9.0; 15]).unwrap();
+        // Floats 2..6 copied, 9..12 zeroed, the rest left as they were.
+        BufferView::transfer(
+            &device,
+            &[
+                Transfer::Copy {
+                    src: &src,
+                    dst: &dst,
+                    offset: 8,
+                    len: 16,
+                },
+                Transfer::Zero {
+                    dst: &dst,
+                    offset: 36,
+                    len: 12,
+                },
+                Transfer::Zero {
+                    dst: &dst,
+                    offset: 0,
+                    len: 0,
+                },
+            ],
+        )
+        .unwrap();
+        let mut want = vec![9.0; 15];
+        want[2..6].copy_from_slice(&v[2..6]);
+        want[9..12].fill(0.0);
+        assert_eq!(dst.to_f32_vec().unwrap(), want, "{target:?}");
+
+        // Bad ranges are typed errors that name the problem, and nothing is written.
+        let past = Transfer::Copy {
+            src: &src,
+            dst: &dst,
+            offset: 56,
+            len: 8,
+        };
+        let e = BufferView::transfer(&device, &[past]).unwrap_err();
+        assert!(
+            e.to_string().contains("past the end of a 60-byte buffer"),
+            "{e}"
+        );
+        let ragged = Transfer::Zero {
+            dst: &dst,
+            offset: 2,
+            len: 4,
+        };
+        let e = BufferView::transfer(&device, &[ragged]).unwrap_err();
+        assert!(e.to_string().contains("whole words"), "{e}");
+        assert_eq!(dst.to_f32_vec().unwrap(), want, "{target:?}: unchanged");
     }
 }
 

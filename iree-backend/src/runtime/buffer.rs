@@ -69,7 +69,7 @@ impl ElementType {
     }
 }
 
-/// One queue operation of [`BufferView::transfer`], in bytes.
+/// One operation of a [`BufferView::transfer`] batch, in bytes.
 #[derive(Debug)]
 pub enum Transfer<'a> {
     /// `len` bytes of `src` at `offset` to the same offset of `dst`.
@@ -483,9 +483,10 @@ impl BufferView {
         Ok(copies)
     }
 
-    /// Runs `ops` on `device`'s queue as one batch: submitted together, waited for once. Empty
-    /// ranges are skipped; every buffer must belong to `device` and every range lie inside its
-    /// buffers (checked here: an error names the operation, nothing is submitted).
+    /// Runs `ops` on `device`'s queue as one batch: recorded in one command buffer, submitted
+    /// once and waited for once. Empty ranges are skipped; every buffer must belong to `device`,
+    /// every range lie inside its buffers and a zero fill cover whole 4-byte words (checked
+    /// first: an error names the operation and nothing is submitted).
     pub fn transfer(device: &Device, ops: &[Transfer]) -> Result<()> {
         let backend = device.backend();
         for op in ops {
