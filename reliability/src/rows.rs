@@ -646,7 +646,7 @@ fn report_growth(what: &str, g: Option<rss::Growth>) {
     };
     let _ = writeln!(
         std::io::stderr(),
-        "{what}: RSS {} KiB -> {} KiB ({:+} KiB over {} cycles; samples {:?} KiB); {heap}",
+        "{what}: anonymous + shared RSS {} KiB -> {} KiB ({:+} KiB over {} cycles; samples {:?} KiB); {heap}",
         g.before_kib,
         g.after_kib,
         g.kib(),
