@@ -47,11 +47,16 @@ kvsnap_reliability::reliability_tests!(
 /// The leak rows' counts on Vulkan: the full measured counts after longer warm-ups. On lavapipe
 /// RSS climbs for the first few hundred model loads (one run still rose by 0.8 MB over the
 /// first 250 measured cycles after a 300-cycle warm-up) before it levels off, while the heap's
-/// bytes in use stay flat from the start.
+/// bytes in use stay flat from the start. Lavapipe's anonymous memory outside the C heap also
+/// moves in steps of 1-2 MB that do not keep growing (two fresh-clone CI runs on 2026-11-30:
+/// +2.3 and +1.8 MB over the 10,000 snapshot cycles, one step early in the run, then +-1 MB of
+/// noise, with the heap in use flat at +71 to +98 KiB; other runs of the same code +4 to +284
+/// KiB): the RSS allowance is 4 MiB here, while the heap stays held to 1 MiB.
 #[cfg(feature = "iree-vulkan")]
 const VULKAN_CYCLES: kvsnap_reliability::rows::Cycles = kvsnap_reliability::rows::Cycles {
     open_warm_up: 600,
     snapshot_warm_up: 5_000,
+    rss_limit_kib: 4 * 1024,
     ..kvsnap_reliability::rows::Cycles::FULL
 };
 
