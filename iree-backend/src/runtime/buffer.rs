@@ -232,28 +232,12 @@ impl BufferView {
     /// Allocates a buffer and fills it with zero bytes on the device queue.
     pub fn zeros(device: &Device, shape: &[usize], elem: ElementType) -> Result<BufferView> {
         let view = Self::allocate(device, shape, elem)?;
-        let len = view.byte_length();
-        if len > 0 {
-            let pattern: u32 = 0;
-            let target = view.buffer();
-            device.submit_and_wait(&|| format!("zero-fill {len} bytes"), |wait, signal| {
-                // SAFETY: `target` is live (held by `view`); the pattern is copied at submit.
-                unsafe {
-                    sys::iree_hal_device_queue_fill(
-                        device.inner.raw,
-                        ffi::QUEUE_AFFINITY_ANY,
-                        wait,
-                        signal,
-                        target,
-                        0,
-                        len,
-                        (&pattern as *const u32).cast(),
-                        std::mem::size_of::<u32>(),
-                        0,
-                    )
-                }
-            })?;
-        }
+        let zero = Transfer::Zero {
+            dst: &view,
+            offset: 0,
+            len: view.byte_length(),
+        };
+        Self::transfer(device, &[zero])?;
         Ok(view)
     }
 
@@ -445,42 +429,24 @@ impl BufferView {
     }
 
     /// A new buffer with the same shape, type and contents, copied on the device queue (never
-    /// through the host). Used for KV snapshots: later in-place updates of either buffer do not
-    /// affect the other.
+    /// through the host): later in-place updates of either buffer do not affect the other.
     pub fn device_copy(&self) -> Result<BufferView> {
-        let mut copies = Self::device_copies(std::slice::from_ref(self))?;
-        Ok(copies.pop().expect("one copy per view"))
-    }
-
-    /// [`BufferView::device_copy`] of every view (all on one device), as one batch: the copies are
-    /// submitted together and waited for once, where one by one each paid a host round trip
-    /// (a 39-buffer KV state: 5-7 ms on the CPU device).
-    pub fn device_copies(views: &[BufferView]) -> Result<Vec<BufferView>> {
-        let Some(first) = views.first() else {
-            return Ok(Vec::new());
+        let elem = self.element_type().ok_or_else(|| {
+            backend_error(
+                self.device.backend(),
+                "device copy",
+                "unsupported element type",
+            )
+        })?;
+        let copy = Self::allocate(&self.device, &self.shape(), elem)?;
+        let whole = Transfer::Copy {
+            src: self,
+            dst: &copy,
+            offset: 0,
+            len: self.byte_length(),
         };
-        let device = &first.device;
-        let copies = views
-            .iter()
-            .map(|v| {
-                let elem = v.element_type().ok_or_else(|| {
-                    backend_error(device.backend(), "device copy", "unsupported element type")
-                })?;
-                Self::allocate(device, &v.shape(), elem)
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let ops: Vec<Transfer> = views
-            .iter()
-            .zip(&copies)
-            .map(|(src, dst)| Transfer::Copy {
-                src,
-                dst,
-                offset: 0,
-                len: src.byte_length(),
-            })
-            .collect();
-        Self::transfer(device, &ops)?;
-        Ok(copies)
+        Self::transfer(&self.device, &[whole])?;
+        Ok(copy)
     }
 
     /// Runs `ops` on `device`'s queue as one batch: recorded in one command buffer, submitted
@@ -499,20 +465,20 @@ impl BufferView {
                 } => (&[src, dst], *offset, *len),
                 Transfer::Zero { dst, offset, len } => (&[dst], *offset, *len),
             };
+            let zero = matches!(op, Transfer::Zero { .. });
+            if zero && (offset % 4 != 0 || len % 4 != 0) {
+                return Err(backend_error(
+                    backend,
+                    "device transfer",
+                    format!("{op:?}: a zero fill needs an offset and length in whole words"),
+                ));
+            }
             for v in views {
                 if !std::sync::Arc::ptr_eq(&v.device.inner, &device.inner) {
                     return Err(backend_error(
                         backend,
                         "device transfer",
                         "the buffers belong to different devices",
-                    ));
-                }
-                let zero = matches!(op, Transfer::Zero { .. });
-                if zero && (offset % 4 != 0 || len % 4 != 0) {
-                    return Err(backend_error(
-                        backend,
-                        "device transfer",
-                        format!("{op:?}: a zero fill needs an offset and length in whole words"),
                     ));
                 }
                 if offset

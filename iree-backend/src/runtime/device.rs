@@ -356,90 +356,51 @@ impl Device {
             sys::iree_hal_semaphore_list_t,
         ) -> sys::iree_status_t,
     ) -> Result<()> {
-        let mut submit = Some(submit);
-        self.submit_all_and_wait(op, 1, |_, wait, signal| {
-            (submit.take().expect("one operation"))(wait, signal)
-        })
-    }
-
-    /// Submits `n` independent queue operations, each signalling its own semaphore to 1, and
-    /// blocks once until all are signalled: one host round trip for the lot, and the device may
-    /// run them concurrently. `submit(i, wait, signal)` submits operation `i`. After a failed
-    /// submit, the operations already submitted are still waited for before the error returns.
-    pub(crate) fn submit_all_and_wait(
-        &self,
-        op: &dyn Fn() -> String,
-        n: usize,
-        mut submit: impl FnMut(
-            usize,
-            sys::iree_hal_semaphore_list_t,
-            sys::iree_hal_semaphore_list_t,
-        ) -> sys::iree_status_t,
-    ) -> Result<()> {
         let backend = self.backend();
-        let mut semaphores: Vec<*mut sys::iree_hal_semaphore_t> = Vec::with_capacity(n);
-        let mut result = Ok(());
-        for i in 0..n {
-            let mut semaphore: *mut sys::iree_hal_semaphore_t = std::ptr::null_mut();
-            // SAFETY: the device is live; out-pointer to a local.
-            let status = unsafe {
-                sys::iree_hal_semaphore_create(
-                    self.inner.raw,
-                    ffi::QUEUE_AFFINITY_ANY,
-                    0,
-                    sys::iree_hal_semaphore_flag_bits_t_IREE_HAL_SEMAPHORE_FLAG_DEFAULT as _,
-                    &mut semaphore,
-                )
-            };
-            result = check(backend, || format!("{}: create semaphore", op()), status);
-            if result.is_err() {
-                break;
-            }
-            let mut signal_value: u64 = 1;
-            let wait = sys::iree_hal_semaphore_list_t {
-                count: 0,
-                semaphores: std::ptr::null_mut(),
-                payload_values: std::ptr::null_mut(),
-            };
-            let signal = sys::iree_hal_semaphore_list_t {
-                count: 1,
-                semaphores: &mut semaphore,
-                payload_values: &mut signal_value,
-            };
-            let status = submit(i, wait, signal);
-            result = check(backend, || format!("{}: submit", op()), status);
-            if result.is_err() {
-                // SAFETY: our one reference; nothing was submitted against it.
-                unsafe { sys::iree_hal_semaphore_release(semaphore) };
-                break;
-            }
-            semaphores.push(semaphore);
-        }
-        if !semaphores.is_empty() {
-            let mut values = vec![1u64; semaphores.len()];
-            let list = sys::iree_hal_semaphore_list_t {
-                count: semaphores.len(),
-                semaphores: semaphores.as_mut_ptr(),
-                payload_values: values.as_mut_ptr(),
-            };
-            // SAFETY: every semaphore in the list is live; the wait blocks until each reaches 1
-            // (or an operation fails, which IREE reports as a status carrying the failure).
+        let mut semaphore: *mut sys::iree_hal_semaphore_t = std::ptr::null_mut();
+        // SAFETY: the device is live; out-pointer to a local.
+        let status = unsafe {
+            sys::iree_hal_semaphore_create(
+                self.inner.raw,
+                ffi::QUEUE_AFFINITY_ANY,
+                0,
+                sys::iree_hal_semaphore_flag_bits_t_IREE_HAL_SEMAPHORE_FLAG_DEFAULT as _,
+                &mut semaphore,
+            )
+        };
+        check(backend, || format!("{}: create semaphore", op()), status)?;
+        let mut value: u64 = 1;
+        let wait = sys::iree_hal_semaphore_list_t {
+            count: 0,
+            semaphores: std::ptr::null_mut(),
+            payload_values: std::ptr::null_mut(),
+        };
+        let signal = sys::iree_hal_semaphore_list_t {
+            count: 1,
+            semaphores: &mut semaphore,
+            payload_values: &mut value,
+        };
+        let mut result = check(
+            backend,
+            || format!("{}: submit", op()),
+            submit(wait, signal),
+        );
+        if result.is_ok() {
+            // SAFETY: the semaphore is live; the wait blocks until it reaches 1 (or the
+            // operation fails, which IREE reports as a status carrying the failure).
             let status = unsafe {
                 sys::iree_hal_device_wait_semaphores(
                     self.inner.raw,
                     sys::iree_async_wait_mode_e_IREE_ASYNC_WAIT_MODE_ALL as _,
-                    list,
+                    signal,
                     ffi::infinite_timeout(),
                     sys::iree_async_wait_flag_bits_e_IREE_ASYNC_WAIT_FLAG_NONE as _,
                 )
             };
-            let waited = check(backend, || format!("{}: wait", op()), status);
-            result = result.and(waited);
+            result = check(backend, || format!("{}: wait", op()), status);
         }
-        for semaphore in semaphores {
-            // SAFETY: our one reference to each; the queue holds its own while it needs one.
-            unsafe { sys::iree_hal_semaphore_release(semaphore) };
-        }
+        // SAFETY: our one reference; the queue holds its own while it needs one.
+        unsafe { sys::iree_hal_semaphore_release(semaphore) };
         result
     }
 }
