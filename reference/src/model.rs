@@ -85,10 +85,7 @@ impl ReferenceModel {
     /// Only an injected fault ([`ReferenceModel::set_fault_after_layer`]); it leaves `kv` half
     /// updated, which the handle table turns into a poisoned state.
     fn forward(&self, kv: &mut ReferenceKv, x: Vec<f32>, logits: Logits) -> Result<Next> {
-        match forward_pool() {
-            Some(pool) => pool.install(|| self.forward_on_pool(kv, x, logits)),
-            None => self.forward_on_pool(kv, x, logits),
-        }
+        on_forward_pool(|| self.forward_on_pool(kv, x, logits))
     }
 
     /// [`ReferenceModel::forward`], on whatever pool the caller runs in.
@@ -142,7 +139,8 @@ impl ReferenceModel {
     }
 }
 
-/// The threads every forward pass runs on, one per core, shared by all reference models.
+/// Runs `work` on the threads every forward pass runs on, one per core, shared by all
+/// reference models.
 ///
 /// A decode step runs some 160 parallel kernels (per layer the projections, attention and
 /// GeGLU). Called from a thread outside the pool, each kernel was handed to rayon's global pool
@@ -153,15 +151,18 @@ impl ReferenceModel {
 /// arena, and the copy run from the caller's thread found no freed memory there (the first
 /// snapshot of the prefix went from 1.0 to 7.4 ms of page faults until it moved onto the pool).
 /// `None` (and the global pool, as before) if the threads cannot be started.
-fn forward_pool() -> Option<&'static rayon::ThreadPool> {
+fn on_forward_pool<T: Send>(work: impl FnOnce() -> T + Send) -> T {
     static POOL: OnceLock<Option<rayon::ThreadPool>> = OnceLock::new();
-    POOL.get_or_init(|| {
+    let pool = POOL.get_or_init(|| {
         rayon::ThreadPoolBuilder::new()
             .thread_name(|i| format!("kvsnap-reference-{i}"))
             .build()
             .ok()
-    })
-    .as_ref()
+    });
+    match pool {
+        Some(pool) => pool.install(work),
+        None => work(),
+    }
 }
 
 impl KvModel for ReferenceModel {
@@ -211,10 +212,7 @@ impl KvModel for ReferenceModel {
     fn snapshot(&self, kv: &ReferenceKv) -> Result<ReferenceKv> {
         // On the pool, like the forward passes whose freed buffers the copy can then reuse
         // (a thread's allocations come from its own malloc arena).
-        Ok(match forward_pool() {
-            Some(pool) => pool.install(|| kv.clone()),
-            None => kv.clone(),
-        })
+        Ok(on_forward_pool(|| kv.clone()))
     }
 
     fn len(&self, kv: &ReferenceKv) -> usize {
