@@ -150,7 +150,8 @@ impl ReferenceModel {
 /// 1.08 -> 1.02 s. Snapshots copy on the pool too: glibc gives each thread its own malloc
 /// arena, and the copy run from the caller's thread found no freed memory there (the first
 /// snapshot of the prefix went from 1.0 to 7.4 ms of page faults until it moved onto the pool).
-/// `None` (and the global pool, as before) if the threads cannot be started.
+/// If the threads cannot be started, `work` runs on the caller's thread (kernels on rayon's
+/// global pool), as before.
 fn on_forward_pool<T: Send>(work: impl FnOnce() -> T + Send) -> T {
     static POOL: OnceLock<Option<rayon::ThreadPool>> = OnceLock::new();
     let pool = POOL.get_or_init(|| {
