@@ -141,7 +141,7 @@ pub mod check {
     /// Checks raw embedding rows have shape `[n, hidden]` and are all finite.
     pub fn embeddings(cfg: &ModelConfig, op: &'static str, n: usize, rows: &[f32]) -> Result<()> {
         if rows.len() != n * cfg.hidden_size {
-            let got = if rows.len() % cfg.hidden_size == 0 {
+            let got = if rows.len().is_multiple_of(cfg.hidden_size) {
                 vec![rows.len() / cfg.hidden_size, cfg.hidden_size]
             } else {
                 vec![rows.len()]

@@ -351,7 +351,7 @@ fn thousand_allocate_copy_release_cycles_keep_memory_flat() {
         let cycle = |i: usize| {
             let v = BufferView::from_f32(&device, &SHAPE, &data).unwrap();
             let c = v.device_copy().unwrap();
-            if i % 100 == 0 {
+            if i.is_multiple_of(100) {
                 let a = BufferView::from_f32(&device, &[4], &[1.0; 4]).unwrap();
                 let out = session.call("add", &[&a, &a]).unwrap();
                 assert_eq!(out[0].to_f32_vec().unwrap(), vec![2.0; 4]);

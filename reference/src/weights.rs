@@ -142,7 +142,7 @@ impl Weights {
             let offset = data.as_ptr() as usize - self.mmap.as_ptr() as usize;
             if view.dtype() == Dtype::F32
                 && view.shape() == shape
-                && offset % 4 == 0
+                && offset.is_multiple_of(4)
                 && cfg!(target_endian = "little")
             {
                 return Ok(Tensor {

@@ -370,7 +370,7 @@ impl BufferView {
         if len == 0 {
             return Ok(Err((owner, "empty host region".into())));
         }
-        if (ptr as usize) % HOST_IMPORT_ALIGNMENT != 0 {
+        if !(ptr as usize).is_multiple_of(HOST_IMPORT_ALIGNMENT) {
             return Ok(Err((
                 owner,
                 format!(

@@ -30,7 +30,7 @@ const BLOCKS_PER_TASK: usize = 1024;
 pub fn dequantize(ty: GgmlType, data: &[u8], out: &mut [f32]) -> Result<()> {
     let (block, block_bytes) = ty.block_geometry();
     let n_blocks = out.len() / block;
-    if out.len() % block != 0 || data.len() != n_blocks * block_bytes {
+    if !out.len().is_multiple_of(block) || data.len() != n_blocks * block_bytes {
         return Err(Error::ShapeMismatch {
             op: "gguf dequantize",
             what: "quantized data bytes",

@@ -414,7 +414,7 @@ fn check_tensor(t: &mut TensorInfo, alignment: u64, data_start: u64, file_len: u
         .try_fold(1u64, |acc, &d| acc.checked_mul(d))
         .filter(|&n| usize::try_from(n).is_ok())
         .ok_or_else(|| format!("dims {:?} overflow", t.dims))?;
-    if t.dims[0] % block as u64 != 0 {
+    if !t.dims[0].is_multiple_of(block as u64) {
         return Err(format!(
             "dims {:?}: ne0 {} is not a multiple of the {} block size {block}",
             t.dims, t.dims[0], t.ggml_type
@@ -423,7 +423,7 @@ fn check_tensor(t: &mut TensorInfo, alignment: u64, data_start: u64, file_len: u
     let n_bytes = (n / block as u64)
         .checked_mul(block_bytes as u64)
         .ok_or_else(|| format!("dims {:?} overflow", t.dims))?;
-    if t.offset % alignment != 0 {
+    if !t.offset.is_multiple_of(alignment) {
         return Err(format!(
             "data offset {} is not a multiple of the alignment {alignment}",
             t.offset
