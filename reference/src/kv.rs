@@ -2,6 +2,7 @@
 //! sliding layers keep a ring of their window.
 
 use kvsnap_contract::{LayerKind, ModelConfig};
+use rayon::prelude::*;
 
 /// A contiguous run of cached K/V rows for consecutive positions.
 ///
@@ -131,10 +132,23 @@ impl RingKv {
 /// The KV state of one sequence: its length and one [`LayerKv`] per layer.
 ///
 /// `Clone` is the snapshot: it deep-copies the live rows, so the copies never share memory.
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub struct ReferenceKv {
     pub(crate) len: usize,
     pub(crate) layers: Vec<LayerKv>, // [layer]
+}
+
+impl Clone for ReferenceKv {
+    /// Copies the layers in parallel on rayon's pool. One core's share of the memory bandwidth
+    /// can be well below the machine's: on an Ice Lake server a one-thread copy of the 860-token
+    /// prefix (20 MiB) took 3.5 ms, the parallel one 2.0 ms, the same as a `memcpy` from memory
+    /// (which streams with non-temporal stores; copies of the layers' smaller buffers do not).
+    fn clone(&self) -> Self {
+        ReferenceKv {
+            len: self.len,
+            layers: self.layers.par_iter().map(LayerKv::clone).collect(),
+        }
+    }
 }
 
 impl ReferenceKv {

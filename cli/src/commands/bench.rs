@@ -230,8 +230,14 @@ fn run_model<M: KvModel>(
             r.json()
         }
     };
+    // Below about 95% of the cores, other processes took time that the figures include.
+    let competed = if cpu_share < 0.95 {
+        ": other processes competed, re-measure when quiet"
+    } else {
+        ""
+    };
     println!(
-        "the scenario got {:.0}% of {} cores (below ~95%: other processes competed; re-measure when quiet)",
+        "the scenario got {:.0}% of {} cores{competed}",
         100.0 * cpu_share,
         limits.threads
     );
