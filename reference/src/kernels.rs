@@ -93,10 +93,10 @@ pub fn matmul_naive(out: &mut [f32], x: &[f32], w: &[f32], n: usize, i: usize, o
 /// Dot product: four 16-lane FMA accumulators where the CPU has AVX-512F, otherwise eight
 /// independent accumulators (so that the baseline build vectorises).
 ///
-/// Decode's matvecs are this loop over weights from memory. On an Ice Lake server the
-/// baseline's single 4-lane add chain keeps a core at about 6 GB/s, below what memory
-/// delivers; the AVX-512 loop streams the real head and layers at 17-19 GB/s on 2 cores,
-/// against 11-12 GB/s (docs/BENCHMARKS.md, fourth pass).
+/// Decode's matvecs run this loop (with a prefetch, [`matvec`]) over weights from memory. On an
+/// Ice Lake server the baseline's single 4-lane add chain keeps a core at about 6 GB/s, below
+/// what memory delivers; the AVX-512 loop streams the real head and layers at 17-19 GB/s on 2
+/// cores, against 11-12 GB/s (docs/BENCHMARKS.md, fourth pass).
 #[inline]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     debug_assert_eq!(a.len(), b.len());
