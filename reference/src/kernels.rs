@@ -579,10 +579,9 @@ pub(crate) mod tests {
             let a = values(n, 5);
             let b = values(n, 6);
             let want: f64 = a.iter().zip(&b).map(|(x, y)| *x as f64 * *y as f64).sum();
-            let bound = 1e-5 + n as f64 * 1.2e-7;
-            assert!((dot(&a, &b) as f64 - want).abs() < bound, "n={n}");
+            assert!((dot(&a, &b) as f64 - want).abs() < 1e-5, "n={n}");
             assert!(
-                (dot_plain(&a, &b) as f64 - want).abs() < bound,
+                (dot_plain(&a, &b) as f64 - want).abs() < 1e-5,
                 "plain n={n}"
             );
         }

@@ -94,10 +94,8 @@ impl LayerKv {
 
     /// Bytes held (live rows only).
     pub fn bytes(&self) -> usize {
-        match self {
-            LayerKv::Full(f) => (f.k.len() + f.v.len()) * 4,
-            LayerKv::Ring(r) => (r.k.len() + r.v.len()) * 4,
-        }
+        let (k, v) = self.buffers();
+        (k.len() + v.len()) * 4
     }
 }
 
