@@ -16,11 +16,13 @@ use kvsnap_reference::kernels::gather_rows;
 use kvsnap_reference::{Tensor, Weights};
 
 use crate::compile::{CompileProgress, Compiler, Target};
-use crate::graphs::{self, entry_name, DType, Input, Manifest, DEFAULT_CHUNKS};
+use crate::graphs::{self, entry_name, DType, EmbedLayout, Input, Manifest, DEFAULT_CHUNKS};
 pub use crate::kv::IreeKv;
 use crate::kv::KvPool;
 use crate::resident::{self, Lease};
-use crate::runtime::{BufferView, Device, DeviceKind, ElementType, ImportMode, ImportStats};
+use crate::runtime::{
+    BufferView, Device, DeviceKind, ElementType, ImportMode, ImportStats, HOST_IMPORT_ALIGNMENT,
+};
 
 /// How to load an [`IreeModel`].
 #[derive(Clone, Debug)]
@@ -120,6 +122,68 @@ impl AsRef<[u8]> for TensorBytes {
     }
 }
 
+/// Host f32 storage whose data starts on a [`HOST_IMPORT_ALIGNMENT`] boundary, so that the CPU
+/// device imports it without a copy (a large `Vec` from malloc starts 16 bytes into a page).
+struct AlignedF32 {
+    buf: Vec<f32>,
+    start: usize,
+    len: usize,
+}
+
+impl AlignedF32 {
+    /// `len` zeros (pages are mapped lazily, as `vec!` of zeros allocates them).
+    fn zeroed(len: usize) -> Self {
+        let pad = HOST_IMPORT_ALIGNMENT / std::mem::size_of::<f32>();
+        let buf = vec![0.0f32; len + pad];
+        let start = buf.as_ptr().align_offset(HOST_IMPORT_ALIGNMENT);
+        AlignedF32 { buf, start, len }
+    }
+
+    fn as_mut_slice(&mut self) -> &mut [f32] {
+        &mut self.buf[self.start..self.start + self.len]
+    }
+}
+
+impl AsRef<[u8]> for AlignedF32 {
+    fn as_ref(&self) -> &[u8] {
+        let f = &self.buf[self.start..self.start + self.len];
+        // SAFETY: as for `TensorBytes`.
+        unsafe { std::slice::from_raw_parts(f.as_ptr().cast::<u8>(), std::mem::size_of_val(f)) }
+    }
+}
+
+/// Imports one weight of the manifest onto `device`: zero-copy from the memory-mapped file
+/// where the device allows it; the embedding table in [`EmbedLayout::Panels`] from a packed
+/// copy (after which the file's pages of it are released: the host reads only rows of it).
+fn import_weight(
+    device: &Device,
+    file: &Weights,
+    cfg: &ModelConfig,
+    spec: &graphs::TensorSpec,
+    manifest: &Manifest,
+) -> Result<(BufferView, ImportMode)> {
+    if spec.name == EMBED_TOKENS && manifest.embed_layout == EmbedLayout::Panels {
+        let rows = file.tensor(EMBED_TOKENS, &[cfg.vocab_size, cfg.hidden_size])?;
+        let mut table = AlignedF32::zeroed(spec.dims.iter().product());
+        graphs::pack_panels(&rows, cfg.hidden_size, table.as_mut_slice());
+        let _ = rows.release_resident_pages();
+        return BufferView::import_host(device, table, &spec.dims, ElementType::F32);
+    }
+    let t = file.tensor(&spec.name, &spec.dims)?;
+    let imported = BufferView::import_host(device, TensorBytes(t), &spec.dims, ElementType::F32)?;
+    if let ImportMode::Copied { .. } = imported.1 {
+        // The device has its copy (Vulkan): the pages the upload read need not stay in this
+        // process's RSS (the host later reads only embedding rows).
+        let _ = file
+            .tensor(&spec.name, &spec.dims)?
+            .release_resident_pages();
+    }
+    Ok(imported)
+}
+
+/// HF name of the embedding table (also the tied head).
+const EMBED_TOKENS: &str = "model.embed_tokens.weight";
+
 /// The rows of one chunk call.
 #[derive(Clone, Copy)]
 enum ChunkInput<'a> {
@@ -161,9 +225,7 @@ impl IreeModel {
         let weights = first
             .weights()
             .map(|spec| {
-                let t = file.tensor(&spec.name, &spec.dims)?;
-                let (view, mode) =
-                    BufferView::import_host(&device, TensorBytes(t), &spec.dims, ElementType::F32)?;
+                let (view, mode) = import_weight(&device, &file, &cfg, spec, &g.manifest)?;
                 let bytes = view.byte_length() as u64;
                 match mode {
                     ImportMode::ZeroCopy => {
@@ -173,20 +235,12 @@ impl IreeModel {
                     ImportMode::Copied { .. } => {
                         imports.copied += 1;
                         imports.copied_bytes += bytes;
-                        // The device has its copy (Vulkan): the pages the upload read need not
-                        // stay in this process's RSS (the host later reads only embedding rows).
-                        let _ = file
-                            .tensor(&spec.name, &spec.dims)?
-                            .release_resident_pages();
                     }
                 }
                 Ok(view)
             })
             .collect::<Result<Vec<_>>>()?;
-        let embed_tokens = file.tensor(
-            "model.embed_tokens.weight",
-            &[cfg.vocab_size, cfg.hidden_size],
-        )?;
+        let embed_tokens = file.tensor(EMBED_TOKENS, &[cfg.vocab_size, cfg.hidden_size])?;
         let input = opts.input.unwrap_or(match opts.target {
             Target::VulkanSpirv => Input::Embeddings,
             Target::LlvmCpu => Input::Ids,
@@ -372,6 +426,7 @@ impl IreeModel {
             0 => None,
             k => Some((k as usize - 1).min(plan.len() - 1)),
         };
+        let chunks = plan.len();
         for (index, (c, valid)) in plan.into_iter().enumerate() {
             let (first, name) = match input {
                 ChunkInput::Ids(ids) => {
@@ -397,7 +452,9 @@ impl IreeModel {
             // The call writes full-layer rows up to `kv.len + c`, padding included.
             kv.written = kv.written.max((kv.len + c).min(self.manifest.capacity));
             let nvalid = BufferView::from_i32(&self.device, &[], &[valid as i32])?;
-            let mut args: Vec<&BufferView> = vec![&first, &pos0, &nvalid];
+            // Only the last chunk's next token and logits are returned: the others skip the head.
+            let head = BufferView::from_i32(&self.device, &[], &[(index + 1 == chunks) as i32])?;
+            let mut args: Vec<&BufferView> = vec![&first, &pos0, &nvalid, &head];
             args.extend(self.weights.iter());
             args.extend(kv.bufs.iter());
             let mut outs = session.call(&name, &args)?;
@@ -453,7 +510,13 @@ pub fn model_graphs(cfg: &ModelConfig, opts: &IreeOptions) -> graphs::Graphs {
     let mut chunks = opts.chunks.clone();
     chunks.push(1);
     chunks.retain(|&c| c <= cfg.context_capacity);
-    graphs::build(cfg, &chunks)
+    // Panels speed up llvm-cpu's head matvec; the Vulkan path keeps the HF rows, which it
+    // uploads as they are and gathers embedding rows from on the host.
+    let embed = match opts.target {
+        Target::LlvmCpu => EmbedLayout::Panels,
+        Target::VulkanSpirv => EmbedLayout::Rows,
+    };
+    graphs::build(cfg, &chunks, embed)
 }
 
 /// Compiles `mlir` for `target` through the on-disk cache, printing progress when `verbose`.

@@ -10,7 +10,9 @@ use std::process::Command;
 
 use kvsnap_contract::ModelConfig;
 use kvsnap_iree::emit::{Cmp, DotDims, ElemType, FuncBuilder, Module, Reduction, TensorType};
-use kvsnap_iree::graphs::{self, entry_name, Input, Role, DEFAULT_CHUNKS};
+use kvsnap_iree::graphs::{
+    self, entry_name, EmbedLayout, Input, Role, DEFAULT_CHUNKS, EMBED_PANEL_LANES,
+};
 use kvsnap_reference::tiny::{config, Preset};
 
 /// The body lines a closure emits into a fresh function (arguments excluded).
@@ -244,6 +246,41 @@ fn indexing_ops() {
 }
 
 #[test]
+fn if_else_emits_both_regions_and_names_its_results() {
+    let t = body(&[TensorType::i1(&[]), f32t(&[2])], |b, a| {
+        let open = b.open_region();
+        let e = b.exp(&a[1]);
+        let then = b.close_region(open, &[&e]);
+        let open = b.open_region();
+        let otherwise = b.close_region(open, &[&a[1]]);
+        let r = b.if_else(&a[0], then, otherwise);
+        assert_eq!(r.len(), 1);
+        b.neg(&r[0]);
+    });
+    assert_eq!(
+        t,
+        "%3 = \"stablehlo.if\"(%0) ({\n\
+         %2 = \"stablehlo.exponential\"(%1) : (tensor<2xf32>) -> tensor<2xf32>\n\
+         \"stablehlo.return\"(%2) : (tensor<2xf32>) -> ()\n\
+         }, {\n\
+         \"stablehlo.return\"(%1) : (tensor<2xf32>) -> ()\n\
+         }) : (tensor<i1>) -> (tensor<2xf32>)\n\
+         %4 = \"stablehlo.negate\"(%3) : (tensor<2xf32>) -> tensor<2xf32>"
+    );
+}
+
+#[test]
+fn gather_lanes_takes_one_lane_column_per_index() {
+    let t = body(&[f32t(&[5, 3, 4]), i32t(&[2, 2])], |b, a| {
+        b.gather_lanes(&a[0], &a[1]);
+    });
+    assert_eq!(
+        t,
+        "%2 = \"stablehlo.gather\"(%0, %1) {dimension_numbers = #stablehlo.gather<offset_dims = [1], collapsed_slice_dims = [0, 2], start_index_map = [0, 2], index_vector_dim = 1>, slice_sizes = array<i64: 1, 3, 1>, indices_are_sorted = false} : (tensor<5x3x4xf32>, tensor<2x2xi32>) -> tensor<2x3xf32>"
+    );
+}
+
+#[test]
 #[should_panic(
     expected = "dot_general: lhs tensor<6x4xf32> dim 1 does not match rhs tensor<5x2xf32> dim 0"
 )]
@@ -311,6 +348,10 @@ fn every_op_compiles() {
     let w = b.arg(f32t(&[8, 4]));
     let idx = b.reshape(&ids, &[3, 1]);
     let rows = b.gather_rows(&x, &idx);
+    let lane_idx = b.concatenate(&[&idx, &idx], 1);
+    let lanes = b.gather_lanes(&x, &lane_idx); // [3, 2]
+    let lanes = b.broadcast_in_dim(&lanes, &[3, 2, 4], &[0, 1]);
+    let rows = b.add(&rows, &lanes);
     let u = b.exp(&rows);
     let y = b.scatter_rows(&x, &idx, &u);
     let y = b.dynamic_update_slice(&y, &rows, &[&i, &i, &i]);
@@ -377,18 +418,37 @@ fn tensor_types(text: &str) -> Vec<Vec<usize>> {
 
 #[test]
 fn graphs_build_for_tiny_and_real_configs_with_the_head_sliced() {
-    for cfg in [config(Preset::Tiny), real_config()] {
-        let g = graphs::build(&cfg, &DEFAULT_CHUNKS);
+    let layouts = [EmbedLayout::Rows, EmbedLayout::Panels];
+    for (cfg, layout) in [config(Preset::Tiny), real_config()]
+        .into_iter()
+        .flat_map(|cfg| layouts.map(|l| (cfg.clone(), l)))
+    {
+        let g = graphs::build(&cfg, &DEFAULT_CHUNKS, layout);
+        assert_eq!(g.manifest.embed_layout, layout);
         let vocab = cfg.vocab_size;
         // No tensor with a vocab dim and another dim > 1 (no SEQ x vocab logits anywhere),
-        // except the `[vocab, hidden]` embedding table itself.
-        let table = [vocab, cfg.hidden_size];
+        // except the embedding table itself (and, with panels, the head's products of the
+        // table's shape and its `[panels, 16]` sums).
+        let table = layout.dims(vocab, cfg.hidden_size);
+        let panels = vocab.div_ceil(EMBED_PANEL_LANES);
         for dims in tensor_types(&g.mlir) {
-            if dims.contains(&vocab) && dims != table {
+            if dims == table {
+                continue;
+            }
+            if dims.contains(&vocab) {
                 assert!(
                     dims.iter().filter(|&&d| d != vocab).all(|&d| d == 1)
                         && dims.iter().filter(|&&d| d == vocab).count() == 1,
                     "tensor {dims:?} has a vocab ({vocab}) dim and another dim > 1"
+                );
+            }
+            // A panels dim is the table's or the head's sums. Checked where no other dim can
+            // equal it: the tiny model's 32 panels are also its head_dim.
+            if layout == EmbedLayout::Panels && panels > 1024 && dims.contains(&panels) {
+                assert_eq!(
+                    dims,
+                    [panels, EMBED_PANEL_LANES],
+                    "tensor {dims:?} has a panels ({panels}) dim besides the head's"
                 );
             }
         }
@@ -406,6 +466,7 @@ fn graphs_build_for_tiny_and_real_configs_with_the_head_sliced() {
                 assert_eq!(e.results[1].dims, [vocab]);
                 assert_eq!(e.args[1].role, Role::Pos0);
                 assert_eq!(e.args[2].role, Role::Valid);
+                assert_eq!(e.args[3].role, Role::Head);
             }
         }
     }
@@ -414,7 +475,7 @@ fn graphs_build_for_tiny_and_real_configs_with_the_head_sliced() {
 #[test]
 fn manifest_lists_weights_by_hf_name_in_call_order() {
     let cfg = config(Preset::Tiny);
-    let g = graphs::build(&cfg, &[1]);
+    let g = graphs::build(&cfg, &[1], EmbedLayout::Rows);
     let e = g.manifest.entry("chunk_ids_c1").unwrap();
     let names: Vec<&str> = e.weights().map(|w| w.name.as_str()).collect();
     assert_eq!(names[0], "model.embed_tokens.weight");
@@ -457,14 +518,24 @@ fn manifest_lists_weights_by_hf_name_in_call_order() {
         .find(|l| l.contains("@chunk_ids_c1("))
         .unwrap();
     assert!(sig
-        .contains("(%0: tensor<1xi32>, %1: tensor<i32>, %2: tensor<i32>, %3: tensor<512x64xf32>"));
+        .contains("(%0: tensor<1xi32>, %1: tensor<i32>, %2: tensor<i32>, %3: tensor<i32>, %4: tensor<512x64xf32>"));
     let json = serde_json::to_string(&g.manifest).unwrap();
     let back: graphs::Manifest = serde_json::from_str(&json).unwrap();
     assert_eq!(back, g.manifest);
+
+    // With panels only the embedding table changes: [512 / 16, 64, 16].
+    let p = graphs::build(&cfg, &[1], EmbedLayout::Panels);
+    let pe = p.manifest.entry("chunk_ids_c1").unwrap();
+    let table = pe.weights().next().unwrap();
+    assert_eq!(table.name, "model.embed_tokens.weight");
+    assert_eq!(table.dims, [cfg.vocab_size / 16, cfg.hidden_size, 16]);
+    assert!(pe.weights().skip(1).eq(e.weights().skip(1)));
 }
 
 #[test]
 fn tiny_module_compiles() {
-    let g = graphs::build(&config(Preset::Tiny), &DEFAULT_CHUNKS);
-    compile(&g.mlir, "tiny");
+    for layout in [EmbedLayout::Rows, EmbedLayout::Panels] {
+        let g = graphs::build(&config(Preset::Tiny), &DEFAULT_CHUNKS, layout);
+        compile(&g.mlir, "tiny");
+    }
 }

@@ -88,6 +88,22 @@ impl DotDims {
     }
 }
 
+/// The ops and results of one branch of a [`FuncBuilder::if_else`], built between
+/// [`FuncBuilder::open_region`] and [`FuncBuilder::close_region`].
+#[derive(Debug)]
+pub struct Region {
+    body: String,
+    results: Vec<Value>,
+}
+
+/// Where [`FuncBuilder::open_region`] left the enclosing body; give it back to
+/// [`FuncBuilder::close_region`].
+#[derive(Debug)]
+#[must_use = "close the region with close_region"]
+pub struct OpenRegion {
+    outer: String,
+}
+
 /// Builds one `func.func` from typed ops; [`FuncBuilder::finish`] returns its text.
 #[derive(Debug)]
 pub struct FuncBuilder {
@@ -748,6 +764,97 @@ impl FuncBuilder {
             ),
             table.ty.elem_dims(&dims),
         )
+    }
+
+    /// Emits `stablehlo.gather` of one lane-column per index from a panel table: row `i` of
+    /// the result is `table[indices[i, 0], :, indices[i, 1]]`.
+    ///
+    /// # Shapes
+    /// `table`: `[panels, d, lanes]`, `indices`: `[c, 2]` i32 (panel, lane); returns `[c, d]`.
+    pub fn gather_lanes(&mut self, table: &Value, indices: &Value) -> Value {
+        assert!(
+            table.ty.rank() == 3,
+            "gather_lanes: table {} must be [panels, d, lanes]",
+            table.ty
+        );
+        assert!(
+            indices.elem() == ElemType::I32 && indices.ty.rank() == 2 && indices.dims()[1] == 2,
+            "gather_lanes: indices {} must be [c, 2] i32",
+            indices.ty
+        );
+        let d = table.dims()[1];
+        self.op(
+            "gather",
+            &[table, indices],
+            &format!(
+                "dimension_numbers = #stablehlo.gather<offset_dims = [1], collapsed_slice_dims = [0, 2], start_index_map = [0, 2], index_vector_dim = 1>, slice_sizes = {}, indices_are_sorted = false",
+                i64_array(&[1, d, 1])
+            ),
+            table.ty.elem_dims(&[indices.dims()[0], d]),
+        )
+    }
+
+    /// Starts a branch region: the ops emitted until [`FuncBuilder::close_region`] go into it
+    /// (they may use values defined before it).
+    pub fn open_region(&mut self) -> OpenRegion {
+        OpenRegion {
+            outer: std::mem::take(&mut self.body),
+        }
+    }
+
+    /// Ends the region `open` started, returning `results` from it, and goes back to emitting
+    /// into the enclosing body.
+    pub fn close_region(&mut self, open: OpenRegion, results: &[&Value]) -> Region {
+        let body = std::mem::replace(&mut self.body, open.outer);
+        Region {
+            body,
+            results: results.iter().map(|&v| v.clone()).collect(),
+        }
+    }
+
+    /// Emits `stablehlo.if`: the results of `then` where `pred` (`[]` i1) holds, else those of
+    /// `otherwise`; only the taken branch runs.
+    ///
+    /// # Panics
+    /// If `pred` is not an i1 scalar or the branches return different types.
+    pub fn if_else(&mut self, pred: &Value, then: Region, otherwise: Region) -> Vec<Value> {
+        assert!(
+            pred.ty == TensorType::i1(&[]),
+            "if_else: predicate {} must be tensor<i1>",
+            pred.ty
+        );
+        let types_of = |r: &Region| r.results.iter().map(|v| v.ty.clone()).collect::<Vec<_>>();
+        assert_eq!(
+            types_of(&then),
+            types_of(&otherwise),
+            "if_else: branches return different types"
+        );
+        let results: Vec<Value> = then
+            .results
+            .iter()
+            .map(|v| self.fresh(v.ty.clone()))
+            .collect();
+        let region = |r: &Region| {
+            let refs: Vec<&Value> = r.results.iter().collect();
+            format!(
+                "{}    \"stablehlo.return\"({}) : ({}) -> ()\n",
+                r.body,
+                operands(&refs),
+                types(&refs)
+            )
+        };
+        let refs: Vec<&Value> = results.iter().collect();
+        writeln!(
+            self.body,
+            "    {} = \"stablehlo.if\"({pred}) ({{\n{}    }}, {{\n{}    }}) : ({}) -> ({})",
+            operands(&refs),
+            region(&then),
+            region(&otherwise),
+            pred.ty,
+            types(&refs)
+        )
+        .expect("writing to a String");
+        results
     }
 
     /// Emits `stablehlo.scatter` of whole rows that replaces `x[indices[i], ...]` with

@@ -7,7 +7,7 @@
 mod builder;
 mod types;
 
-pub use builder::{Cmp, DotDims, FuncBuilder, Reduction};
+pub use builder::{Cmp, DotDims, FuncBuilder, OpenRegion, Reduction, Region};
 pub use types::{ElemType, TensorType, Value};
 
 /// A `module @name { ... }` of functions.

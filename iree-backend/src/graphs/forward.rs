@@ -10,7 +10,7 @@
 
 use kvsnap_contract::{LayerKind, ModelConfig};
 
-use super::manifest::RingGeometry;
+use super::manifest::{EmbedLayout, RingGeometry, EMBED_PANEL_LANES};
 use crate::emit::{Cmp, DotDims, ElemType, FuncBuilder, Reduction, Value};
 
 /// Mask value of invisible attention scores: finite, so that a padding row that sees no key gets
@@ -21,6 +21,20 @@ const MASKED: f32 = -1.0e30;
 /// Width of the inner stage of the two-stage argmax (see IREE-NOTES: a one-pass argmax over
 /// 262144 logits hits lavapipe's shader loop limit).
 const ARGMAX_INNER: usize = 512;
+
+/// The row spans a global layer's attention of a `c`-row chunk may run over (see
+/// [`Forward::attend_live`]): an eighth, a quarter and half of `capacity` where they hold at
+/// least `c` rows, then `capacity` itself.
+fn global_spans(capacity: usize, c: usize) -> Vec<usize> {
+    let mut spans: Vec<usize> = [8, 4, 2]
+        .iter()
+        .map(|d| capacity / d)
+        .filter(|&s| s >= c && s < capacity)
+        .collect();
+    spans.dedup();
+    spans.push(capacity);
+    spans
+}
 
 /// One layer's weights as function arguments, in [`super::LAYER_WEIGHTS`] order.
 pub(super) struct LayerWeights {
@@ -79,8 +93,10 @@ pub(super) struct Chunk {
     /// Visibility of the sliding layers' rows (after the chunk's write) to each query:
     /// `[C, ring rows]` i1.
     sliding_mask: Value,
-    /// Visibility of the full buffer's rows to each query: `[C, capacity]` i1.
-    global_mask: Value,
+    /// Position of each query row: `[C]` i32.
+    qpos: Value,
+    /// First position after the chunk's valid rows: `[]` i32.
+    end: Value,
     /// Whether chunk row `i` is real (`i < valid`), per column: `[C]` i1.
     row_valid: Value,
 }
@@ -89,6 +105,8 @@ pub(super) struct Chunk {
 pub(super) struct Forward<'a> {
     pub b: FuncBuilder,
     pub cfg: &'a ModelConfig,
+    /// Layout of the embedding table `gather` and `head` read.
+    pub embed: EmbedLayout,
 }
 
 impl<'a> Forward<'a> {
@@ -180,7 +198,6 @@ impl<'a> Forward<'a> {
         ring: RingGeometry,
     ) -> (Chunk, Value) {
         let cfg = self.cfg;
-        let n = cfg.context_capacity;
 
         // Query positions qp[i] = pos0 + i.
         let iota_c = self.b.iota(&[c], 0);
@@ -204,9 +221,6 @@ impl<'a> Forward<'a> {
         let ring_pos = self.b.sub(&positions, &one);
         let sliding_mask = self.visibility(&qpos, &ring_pos, &end, Some(cfg.sliding_window));
 
-        let rows = self.b.iota(&[n], 0);
-        let global_mask = self.visibility(&qpos, &rows, &end, None);
-
         let rope_local = self.rope_tables(&qpos, cfg.rope_theta_local, 1.0);
         let rope_global =
             self.rope_tables(&qpos, cfg.rope_theta_global, cfg.rope_linear_factor_global);
@@ -218,7 +232,8 @@ impl<'a> Forward<'a> {
             rope_global,
             ring_start,
             sliding_mask,
-            global_mask,
+            qpos,
+            end,
             row_valid,
         };
         (chunk, positions)
@@ -310,11 +325,25 @@ impl<'a> Forward<'a> {
     /// Rows of `embed_tokens` for `ids`.
     ///
     /// # Shapes
-    /// `ids`: `[C]` i32; `embed`: `[vocab, hidden]`; returns `[C, hidden]`.
+    /// `ids`: `[C]` i32; `embed`: the table in [`Forward::embed`]'s layout; returns
+    /// `[C, hidden]`.
     pub fn gather(&mut self, embed: &Value, ids: &Value) -> Value {
         let c = ids.dims()[0];
-        let idx = self.b.reshape(ids, &[c, 1]);
-        self.b.gather_rows(embed, &idx)
+        match self.embed {
+            EmbedLayout::Rows => {
+                let idx = self.b.reshape(ids, &[c, 1]);
+                self.b.gather_rows(embed, &idx)
+            }
+            EmbedLayout::Panels => {
+                let lanes = self.i32(EMBED_PANEL_LANES as i32, &[c]);
+                let panel = self.b.div(ids, &lanes);
+                let lane = self.b.remainder(ids, &lanes);
+                let panel = self.b.reshape(&panel, &[c, 1]);
+                let lane = self.b.reshape(&lane, &[c, 1]);
+                let idx = self.b.concatenate(&[&panel, &lane], 1);
+                self.b.gather_lanes(embed, &idx)
+            }
+        }
     }
 
     /// One decoder layer with sandwich norms; returns the new residual and KV buffers.
@@ -401,11 +430,19 @@ impl<'a> Forward<'a> {
         let k = self.zero_padding(&k, ch);
         let v = self.zero_padding(&v, ch);
 
-        let (start, mask) = match kind {
-            LayerKind::Sliding => (&ch.ring_start, &ch.sliding_mask),
-            LayerKind::Global => (&ch.pos0, &ch.global_mask),
+        let (k_buf, v_buf, o) = match kind {
+            LayerKind::Sliding => {
+                let (k_buf, v_buf) = self.write_rows(&k, &v, k_buf, v_buf, &ch.ring_start);
+                let o = self.attend(&q, &k_buf, &v_buf, &ch.sliding_mask);
+                (k_buf, v_buf, o)
+            }
+            LayerKind::Global => {
+                let (k_buf, v_buf) = self.write_rows(&k, &v, k_buf, v_buf, &ch.pos0);
+                let spans = global_spans(cfg.context_capacity, c);
+                let o = self.attend_live(&q, &k_buf, &v_buf, ch, &spans);
+                (k_buf, v_buf, o)
+            }
         };
-        let (o, k_buf, v_buf) = self.buffer_attention(&q, &k, &v, k_buf, v_buf, start, mask);
         // [kvh, C, g, hd] -> [C, kvh, g, hd] -> [C, heads * hd]
         let o = self.b.transpose(&o, &[1, 0, 2, 3]);
         let o = self.b.reshape(&o, &[c, kvh * g * hd]);
@@ -457,29 +494,24 @@ impl<'a> Forward<'a> {
         self.b.mul(&t, &capv)
     }
 
-    /// Writes the chunk's K/V rows at row `start` of the layer's buffers, then attends over
-    /// every row of the buffers with `mask` (`[C, rows]`).
+    /// Writes the chunk's K/V rows at row `start` of the layer's buffers.
     ///
-    /// Writing first lets IREE update the buffers in place (a read of an argument before its
-    /// `dynamic_update_slice` makes the update copy the whole buffer). Global layers write at
-    /// `pos0` (padding rows land past the valid end, masked until overwritten); sliding layers
-    /// at `pos0 % modulus`, where the rows they overwrite are never visible again (see
-    /// [`RingGeometry::new`]).
+    /// Writing before anything reads the buffers lets IREE update them in place (a read of an
+    /// argument before its `dynamic_update_slice` makes the update copy the whole buffer).
+    /// Global layers write at `pos0` (padding rows land past the valid end, masked until
+    /// overwritten); sliding layers at `pos0 % modulus`, where the rows they overwrite are
+    /// never visible again (see [`RingGeometry::new`]).
     ///
     /// # Shapes
-    /// `q`: `[C, kvh, g, hd]`; `k`, `v`: `[C, kvh, hd]`; buffers `[rows, kvh, hd]`; returns the
-    /// attention output `[kvh, C, g, hd]` and the buffers.
-    #[allow(clippy::too_many_arguments)]
-    fn buffer_attention(
+    /// `k`, `v`: `[C, kvh, hd]`; buffers `[rows, kvh, hd]`; returns the updated buffers.
+    fn write_rows(
         &mut self,
-        q: &Value,
         k: &Value,
         v: &Value,
         k_buf: &Value,
         v_buf: &Value,
         start: &Value,
-        mask: &Value,
-    ) -> (Value, Value, Value) {
+    ) -> (Value, Value) {
         let zero = self.i32(0, &[]);
         let k_buf = self
             .b
@@ -487,19 +519,93 @@ impl<'a> Forward<'a> {
         let v_buf = self
             .b
             .dynamic_update_slice(v_buf, v, &[start, &zero, &zero]);
-        let s = self.scores_rows(q, &k_buf); // [kvh, C, g, rows]
+        (k_buf, v_buf)
+    }
+
+    /// Attention of `q` over every row of `keys`/`values` with `mask` (`[C, rows]`).
+    ///
+    /// # Shapes
+    /// `q`: `[C, kvh, g, hd]`; `keys`, `values`: `[rows, kvh, hd]`; returns `[kvh, C, g, hd]`.
+    fn attend(&mut self, q: &Value, keys: &Value, values: &Value, mask: &Value) -> Value {
+        let s = self.scores_rows(q, keys); // [kvh, C, g, rows]
         let p = self.softmax_scores(&s, mask);
-        let o = self
-            .b
-            .dot_general(&p, &v_buf, &DotDims::batched(0, 1, 3, 0));
-        (o, k_buf, v_buf)
+        self.b
+            .dot_general(&p, values, &DotDims::batched(0, 1, 3, 0))
+    }
+
+    /// Attention over the first rows of a global layer's buffers only: the first of `spans`
+    /// (ascending, the last the capacity) that holds every row the chunk can see
+    /// (`pos0 + C <= span`), chosen at run time by nested `stablehlo.if`s whose untaken
+    /// branches do not run. Rows past `pos0 + valid` are masked either way; the 860-token
+    /// catalog then attends over 1024 rows instead of the 4096 of the capacity.
+    ///
+    /// # Shapes
+    /// As [`Forward::attend`], buffers `[capacity, kvh, hd]`.
+    fn attend_live(
+        &mut self,
+        q: &Value,
+        k_buf: &Value,
+        v_buf: &Value,
+        ch: &Chunk,
+        spans: &[usize],
+    ) -> Value {
+        let span = spans[0];
+        let attend_span = |f: &mut Self| {
+            let dims = k_buf.dims();
+            let keys = f.b.slice(k_buf, &[0, 0, 0], &[span, dims[1], dims[2]]);
+            let values = f.b.slice(v_buf, &[0, 0, 0], &[span, dims[1], dims[2]]);
+            // The mask is built for the span (IREE's SPIR-V code cannot slice an i1 tensor).
+            let rows = f.b.iota(&[span], 0);
+            let mask = f.visibility(&ch.qpos, &rows, &ch.end, None);
+            f.attend(q, &keys, &values, &mask)
+        };
+        if spans.len() == 1 {
+            return attend_span(self);
+        }
+        let c = self.i32(ch.c as i32, &[]);
+        let end = self.b.add(&ch.pos0, &c);
+        let limit = self.i32(span as i32, &[]);
+        let fits = self.b.compare(Cmp::Le, &end, &limit);
+        let open = self.b.open_region();
+        let o = attend_span(self);
+        let then = self.b.close_region(open, &[&o]);
+        let open = self.b.open_region();
+        let o = self.attend_live(q, k_buf, v_buf, ch, &spans[1..]);
+        let otherwise = self.b.close_region(open, &[&o]);
+        let mut out = self.b.if_else(&fits, then, otherwise);
+        out.pop().expect("one result")
+    }
+
+    /// [`Forward::head`] where `flag` (`[]` i32) is nonzero, else `next` 0 and zero logits;
+    /// only the taken branch runs.
+    pub fn head_if(
+        &mut self,
+        flag: &Value,
+        ch: &Chunk,
+        x: &Value,
+        norm: &Value,
+        embed: &Value,
+    ) -> (Value, Value) {
+        let zero = self.i32(0, &[]);
+        let pred = self.b.compare(Cmp::Ne, flag, &zero);
+        let open = self.b.open_region();
+        let (next, logits) = self.head(ch, x, norm, embed);
+        let then = self.b.close_region(open, &[&next, &logits]);
+        let open = self.b.open_region();
+        let no_next = self.i32(0, &[]);
+        let no_logits = self.f32(0.0, &[self.cfg.vocab_size]);
+        let otherwise = self.b.close_region(open, &[&no_next, &no_logits]);
+        let mut out = self.b.if_else(&pred, then, otherwise).into_iter();
+        let next = out.next().expect("two results");
+        let logits = out.next().expect("two results");
+        (next, logits)
     }
 
     /// Final norm, tied head and greedy argmax of the last valid row.
     ///
     /// # Shapes
-    /// `x`: `[C, hidden]`; `embed`: `[vocab, hidden]`; returns `next: []` i32 and
-    /// `logits: [vocab]`.
+    /// `x`: `[C, hidden]`; `embed`: the table in [`Forward::embed`]'s layout; returns
+    /// `next: []` i32 and `logits: [vocab]`.
     pub fn head(&mut self, ch: &Chunk, x: &Value, norm: &Value, embed: &Value) -> (Value, Value) {
         let hidden = self.cfg.hidden_size;
         let vocab = self.cfg.vocab_size;
@@ -508,8 +614,28 @@ impl<'a> Forward<'a> {
         let last = self.b.sub(&ch.valid, &one);
         let h = self.b.dynamic_slice(x, &[&last, &zero], &[1, hidden]);
         let h = self.rms_norm(&h, norm);
-        let logits = self.b.dot_general(embed, &h, &DotDims::contract(1, 1)); // [vocab, 1]
-        let mut logits = self.b.reshape(&logits, &[vocab]);
+        let mut logits = match self.embed {
+            EmbedLayout::Rows => {
+                let logits = self.b.dot_general(embed, &h, &DotDims::contract(1, 1)); // [vocab, 1]
+                self.b.reshape(&logits, &[vocab])
+            }
+            EmbedLayout::Panels => {
+                // A reduction over the middle (hidden) dim of [panels, hidden, 16]: IREE keeps
+                // the 16 lanes as one vector and accumulates along the panel, where
+                // `dot_general` would become a matvec over a transposed copy of the table.
+                let dims = embed.dims().to_vec();
+                let h = self.b.reshape(&h, &[hidden]);
+                let h = self.b.broadcast_in_dim(&h, &dims, &[1]);
+                let products = self.b.mul(embed, &h);
+                let logits = self.b.reduce(&products, Reduction::Sum, &[1]); // [panels, 16]
+                let logits = self.b.reshape(&logits, &[dims[0] * dims[2]]);
+                if dims[0] * dims[2] > vocab {
+                    self.b.slice(&logits, &[0], &[vocab])
+                } else {
+                    logits
+                }
+            }
+        };
         if let Some(cap) = self.cfg.final_logit_softcapping {
             logits = self.softcap(&logits, cap as f32);
         }

@@ -6,17 +6,17 @@
 //! For each chunk size `C` in the module's chunk set:
 //!
 //! ```text
-//! chunk_ids_c{C}(ids: tensor<Cxi32>, pos0: tensor<i32>, valid: tensor<i32>,
+//! chunk_ids_c{C}(ids: tensor<Cxi32>, pos0: tensor<i32>, valid: tensor<i32>, head: tensor<i32>,
 //!                weights..., kv...) -> (next: tensor<i32>, logits: tensor<{vocab}xf32>, kv...)
-//! chunk_emb_c{C}(emb: tensor<Cx{hidden}xf32>, pos0, valid, weights..., kv...) -> (same)
+//! chunk_emb_c{C}(emb: tensor<Cx{hidden}xf32>, pos0, valid, head, weights..., kv...) -> (same)
 //! ```
 //!
 //! - Rows `0..valid` of the chunk are positions `pos0..pos0 + valid`; rows `valid..C` are
 //!   padding and change nothing (`1 <= valid <= C`, `pos0 + C <= capacity`).
 //! - `emb` rows are raw embedding rows; the graph multiplies them by `sqrt(hidden)` (rounded to
 //!   f32), as it does the gathered rows of `ids`.
-//! - Weights in [`weight_specs`] order: `model.embed_tokens.weight`, 13 per layer
-//!   ([`LAYER_WEIGHTS`]), `model.norm.weight`.
+//! - Weights in [`weight_specs`] order: `model.embed_tokens.weight` (in the module's
+//!   [`EmbedLayout`]), 13 per layer ([`LAYER_WEIGHTS`]), `model.norm.weight`.
 //! - KV in [`kv_specs`] order (K then V per layer, then the `sliding.positions` table): global
 //!   layers `[capacity, kv_heads, head_dim]` (position `p` in row `p`); sliding layers
 //!   `[ring.rows, kv_heads, head_dim]` with the chunk written at row `pos0 % ring.modulus`
@@ -27,6 +27,9 @@
 //!   kept as a snapshot (copy it).
 //! - `next` is the argmax of the last valid row's logits (lowest index wins ties), computed on
 //!   the device in two stages; `logits` are that row's only. No `C x vocab` tensor exists.
+//! - `head` 0 skips the head (a `stablehlo.if`): `next` is 0 and `logits` zeros. The head
+//!   streams the whole embedding table, as much as the 18 layers' weights: a prefill computes
+//!   it for its last chunk only.
 //!
 //! RoPE tables, masks and ring positions are computed inside the graph from `pos0` and `valid`.
 
@@ -38,8 +41,9 @@ use kvsnap_contract::ModelConfig;
 use crate::emit::{FuncBuilder, Module, TensorType, Value};
 use forward::{Forward, LayerWeights};
 pub use manifest::{
-    kv_layouts, kv_specs, weight_specs, DType, EntryPoint, KvLayout, Manifest, RingGeometry, Role,
-    TensorSpec, LAYER_WEIGHTS, MANIFEST_FORMAT, MANIFEST_VERSION, SLIDING_POSITIONS,
+    kv_layouts, kv_specs, pack_panels, weight_specs, DType, EmbedLayout, EntryPoint, KvLayout,
+    Manifest, RingGeometry, Role, TensorSpec, EMBED_PANEL_LANES, LAYER_WEIGHTS, MANIFEST_FORMAT,
+    MANIFEST_VERSION, SLIDING_POSITIONS,
 };
 
 /// Chunk sizes compiled by default: the decode step and three prefill/extend chunks. A chunk
@@ -83,11 +87,11 @@ pub struct Graphs {
 }
 
 /// Builds the module for `cfg` with one ids and one embeddings entry point per size in
-/// `chunks` (deduplicated and sorted).
+/// `chunks` (deduplicated and sorted), taking the embedding table in `embed`'s layout.
 ///
 /// # Panics
 /// If `chunks` is empty or holds 0, or a chunk is longer than the context capacity.
-pub fn build(cfg: &ModelConfig, chunks: &[usize]) -> Graphs {
+pub fn build(cfg: &ModelConfig, chunks: &[usize], embed: EmbedLayout) -> Graphs {
     let mut chunks = chunks.to_vec();
     chunks.sort_unstable();
     chunks.dedup();
@@ -105,7 +109,7 @@ pub fn build(cfg: &ModelConfig, chunks: &[usize]) -> Graphs {
     let mut entry_points = Vec::new();
     for &c in &chunks {
         for input in Input::ALL {
-            let (text, entry) = entry_point(cfg, input, c, ring);
+            let (text, entry) = entry_point(cfg, input, c, ring, embed);
             module.push(text);
             entry_points.push(entry);
         }
@@ -118,6 +122,7 @@ pub fn build(cfg: &ModelConfig, chunks: &[usize]) -> Graphs {
             chunks,
             kv_layouts: kv_layouts(cfg),
             ring,
+            embed_layout: embed,
             capacity: cfg.context_capacity,
             entry_points,
         },
@@ -130,7 +135,11 @@ pub fn build(cfg: &ModelConfig, chunks: &[usize]) -> Graphs {
 pub fn argmax_module(cfg: &ModelConfig) -> String {
     let mut b = FuncBuilder::new("argmax");
     let logits = b.arg(TensorType::f32(&[cfg.vocab_size]));
-    let mut f = Forward { b, cfg };
+    let mut f = Forward {
+        b,
+        cfg,
+        embed: EmbedLayout::Rows,
+    };
     let next = f.argmax(&logits);
     let mut module = Module::new("argmax");
     module.push(f.b.finish(&[&next]));
@@ -159,6 +168,7 @@ fn entry_point(
     input: Input,
     c: usize,
     ring: RingGeometry,
+    embed_layout: EmbedLayout,
 ) -> (String, EntryPoint) {
     let first = match input {
         Input::Ids => spec("ids", Role::Ids, &[c], DType::I32),
@@ -168,8 +178,9 @@ fn entry_point(
         first,
         spec("pos0", Role::Pos0, &[], DType::I32),
         spec("valid", Role::Valid, &[], DType::I32),
+        spec("head", Role::Head, &[], DType::I32),
     ];
-    args.extend(weight_specs(cfg));
+    args.extend(weight_specs(cfg, embed_layout));
     let kv = kv_specs(cfg, ring);
     args.extend(kv.iter().cloned());
     let mut results = vec![
@@ -185,6 +196,7 @@ fn entry_point(
     let chunk_input = it.next().expect("chunk input");
     let pos0 = it.next().expect("pos0");
     let valid = it.next().expect("valid");
+    let head = it.next().expect("head");
     let embed = it.next().expect("embed_tokens");
     let layers: Vec<LayerWeights> = (0..cfg.num_layers())
         .map(|_| LayerWeights::from_args(&mut it))
@@ -194,7 +206,11 @@ fn entry_point(
     let positions = kv_in.pop().expect("sliding.positions");
     assert_eq!(kv_in.len(), 2 * cfg.num_layers(), "one K and V per layer");
 
-    let mut f = Forward { b, cfg };
+    let mut f = Forward {
+        b,
+        cfg,
+        embed: embed_layout,
+    };
     let (ch, positions) = f.chunk(c, pos0, valid, &positions, ring);
     let rows = match input {
         Input::Ids => f.gather(&embed, &chunk_input),
@@ -207,7 +223,7 @@ fn entry_point(
         x = nx;
         kv_out.extend([k, v]);
     }
-    let (next, logits) = f.head(&ch, &x, &norm, &embed);
+    let (next, logits) = f.head_if(&head, &ch, &x, &norm, &embed);
     let mut outs = vec![&next, &logits];
     outs.extend(kv_out.iter());
     outs.push(&positions);
