@@ -338,6 +338,21 @@ impl FuncBuilder {
         )
     }
 
+    /// Emits `stablehlo.reverse` of `x` along `dims`.
+    pub fn reverse(&mut self, x: &Value, dims: &[usize]) -> Value {
+        assert!(
+            dims.iter().all(|&d| d < x.ty.rank()),
+            "reverse: dims {dims:?} for {}",
+            x.ty
+        );
+        self.op(
+            "reverse",
+            &[x],
+            &format!("dimensions = {}", i64_array(dims)),
+            x.ty.clone(),
+        )
+    }
+
     /// Emits `stablehlo.convert` to element type `elem`.
     pub fn convert(&mut self, x: &Value, elem: ElemType) -> Value {
         self.op("convert", &[x], "", x.ty.with_elem(elem))
