@@ -246,10 +246,20 @@ impl Compiler {
 
     /// The cache key of compiling `mlir` for `target` with this compiler.
     pub fn cache_key(&self, mlir: &str, target: Target) -> String {
+        self.tuned_cache_key(mlir, None, target)
+    }
+
+    /// The cache key of compiling `mlir` with the tuning spec `spec` (its text) for `target`.
+    pub fn tuned_cache_key(&self, mlir: &str, spec: Option<&str>, target: Target) -> String {
         let mut h = Sha256::new();
         h.update(b"kvsnap-iree-compile-v1\0");
         h.update(mlir.as_bytes());
         h.update(b"\0");
+        if let Some(spec) = spec {
+            h.update(b"tuning-spec\0");
+            h.update(spec.as_bytes());
+            h.update(b"\0");
+        }
         for flag in self.flags(target) {
             h.update(flag.as_bytes());
             h.update(b"\0");
@@ -269,7 +279,19 @@ impl Compiler {
         target: Target,
         progress: &mut dyn FnMut(&CompileProgress),
     ) -> Result<Compiled> {
-        let key = self.cache_key(mlir, target);
+        self.compile_tuned(mlir, None, target, progress)
+    }
+
+    /// [`Compiler::compile`] with an IREE tuning spec (the text of a transform module, passed
+    /// as `--iree-codegen-tuning-spec-path`); the spec is part of the cache key.
+    pub fn compile_tuned(
+        &self,
+        mlir: &str,
+        spec: Option<&str>,
+        target: Target,
+        progress: &mut dyn FnMut(&CompileProgress),
+    ) -> Result<Compiled> {
+        let key = self.tuned_cache_key(mlir, spec, target);
         let vmfb_path = self.cache_dir.join(format!("{key}.{}.vmfb", target.name()));
         if vmfb_path.is_file() {
             let vmfb = std::fs::read(&vmfb_path).map_err(|e| Error::io(&vmfb_path, e))?;
@@ -298,6 +320,19 @@ impl Compiler {
         );
         let mlir_path = self.cache_dir.join(format!("{unique}.mlir"));
         std::fs::write(&mlir_path, mlir).map_err(|e| Error::io(&mlir_path, e))?;
+        let mut flags = self.flags(target);
+        let spec_path = match spec {
+            Some(spec) => {
+                let path = self.cache_dir.join(format!("{unique}.tuning.mlir"));
+                std::fs::write(&path, spec).map_err(|e| Error::io(&path, e))?;
+                flags.push(format!(
+                    "--iree-codegen-tuning-spec-path={}",
+                    path.display()
+                ));
+                Some(path)
+            }
+            None => None,
+        };
         let tmp_path = self.cache_dir.join(format!("{unique}.tmp"));
 
         let op = format!("compile for {}", target.name());
@@ -307,7 +342,7 @@ impl Compiler {
         });
         let start = Instant::now();
         let mut child = Command::new(&self.exe)
-            .args(self.flags(target))
+            .args(&flags)
             .arg(&mlir_path)
             .arg("-o")
             .arg(&tmp_path)
@@ -355,9 +390,13 @@ impl Compiler {
             return Err(tool_error(
                 op,
                 format!(
-                    "iree-compile exited with {exit} after {:.1} s (input kept at {}); stderr tail:\n{}",
+                    "iree-compile exited with {exit} after {:.1} s (input kept at {}{}); stderr tail:\n{}",
                     elapsed.as_secs_f64(),
                     mlir_path.display(),
+                    spec_path
+                        .as_ref()
+                        .map(|p| format!(", tuning spec at {}", p.display()))
+                        .unwrap_or_default(),
                     tail(&stderr, STDERR_TAIL_BYTES)
                 ),
             ));
@@ -365,6 +404,9 @@ impl Compiler {
         let vmfb = std::fs::read(&tmp_path).map_err(|e| Error::io(&tmp_path, e))?;
         std::fs::rename(&tmp_path, &vmfb_path).map_err(|e| Error::io(&vmfb_path, e))?;
         let _ = std::fs::remove_file(&mlir_path);
+        if let Some(path) = &spec_path {
+            let _ = std::fs::remove_file(path);
+        }
         progress(&CompileProgress::Finished {
             elapsed,
             vmfb_bytes: vmfb.len(),

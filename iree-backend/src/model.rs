@@ -212,7 +212,7 @@ impl IreeModel {
         let (vmfb, cache_hit) = match &opts.module_dir {
             Some(module_dir) => (crate::module::read(module_dir, opts.target, &g.mlir)?, true),
             None => {
-                let compiled = compile_graphs(&g.mlir, opts.target, opts.verbose)?;
+                let compiled = compile_graphs(&g, opts.target, opts.verbose)?;
                 (compiled.vmfb, compiled.cache_hit)
             }
         };
@@ -519,18 +519,24 @@ pub fn model_graphs(cfg: &ModelConfig, opts: &IreeOptions) -> graphs::Graphs {
     graphs::build(cfg, &chunks, embed)
 }
 
-/// Compiles `mlir` for `target` through the on-disk cache, printing progress when `verbose`.
+/// Compiles `g` (with its tuning spec) for `target` through the on-disk cache, printing
+/// progress when `verbose`.
 pub fn compile_graphs(
-    mlir: &str,
+    g: &graphs::Graphs,
     target: Target,
     verbose: bool,
 ) -> Result<crate::compile::Compiled> {
     let compiler = Compiler::discover()?;
-    compiler.compile(mlir, target, &mut |p: &CompileProgress| {
-        if verbose {
-            eprintln!("{p}");
-        }
-    })
+    compiler.compile_tuned(
+        &g.mlir,
+        g.tuning_spec.as_deref(),
+        target,
+        &mut |p: &CompileProgress| {
+            if verbose {
+                eprintln!("{p}");
+            }
+        },
+    )
 }
 
 impl KvModel for IreeModel {

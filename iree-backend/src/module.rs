@@ -2,7 +2,9 @@
 //! without the IREE compiler, as on a phone or a GPU machine without Python.
 //!
 //! A directory holds, per target, `kvsnap.<target>.mlir`, `kvsnap.<target>.vmfb` and
-//! `kvsnap.<target>.json` (format, target, sha256 of the MLIR, compiler version). Loading checks
+//! `kvsnap.<target>.json` (format, target, sha256 of the MLIR, compiler version), and
+//! `kvsnap.<target>.tuning.mlir` when the module was compiled with a tuning spec (to repeat the
+//! compile by hand: `--iree-codegen-tuning-spec-path`). Loading checks
 //! that the module was compiled from exactly the MLIR this model's config produces, so a module
 //! built for another config (vocab, layers, capacity, chunk sizes) is a typed error, not a crash
 //! inside IREE.
@@ -81,7 +83,12 @@ pub fn export(
     };
     let graphs = crate::model_graphs(cfg, &opts);
     let compiler = crate::compile::Compiler::discover()?;
-    let compiled = compiler.compile(&graphs.mlir, target, progress)?;
+    let compiled = compiler.compile_tuned(
+        &graphs.mlir,
+        graphs.tuning_spec.as_deref(),
+        target,
+        progress,
+    )?;
     write(
         dir,
         target,
@@ -89,6 +96,15 @@ pub fn export(
         &compiled.vmfb,
         compiler.version(),
     )?;
+    let spec_path = dir.join(format!("kvsnap.{}.tuning.mlir", target.name()));
+    match &graphs.tuning_spec {
+        Some(spec) => std::fs::write(&spec_path, spec).map_err(|e| Error::io(&spec_path, e))?,
+        None => match std::fs::remove_file(&spec_path) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(Error::io(&spec_path, e)),
+        },
+    }
     Ok((graphs, compiled))
 }
 

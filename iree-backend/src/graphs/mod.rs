@@ -35,6 +35,7 @@
 
 mod forward;
 mod manifest;
+mod tuning;
 
 use kvsnap_contract::ModelConfig;
 
@@ -45,6 +46,7 @@ pub use manifest::{
     Manifest, RingGeometry, Role, TensorSpec, EMBED_PANEL_LANES, LAYER_WEIGHTS, MANIFEST_FORMAT,
     MANIFEST_VERSION, SLIDING_POSITIONS,
 };
+pub use tuning::llvm_cpu_tuning_spec;
 
 /// Chunk sizes compiled by default: the decode step and three prefill/extend chunks. A chunk
 /// runs padded to the smallest compiled size that holds it, so 32 sits between 16 and 64 for
@@ -84,6 +86,9 @@ pub struct Graphs {
     pub mlir: String,
     /// Its entry points, argument and result order.
     pub manifest: Manifest,
+    /// The IREE tuning spec to compile it with, if any ([`llvm_cpu_tuning_spec`]: graphs with
+    /// [`EmbedLayout::Panels`] are meant for llvm-cpu).
+    pub tuning_spec: Option<String>,
 }
 
 /// Builds the module for `cfg` with one ids and one embeddings entry point per size in
@@ -116,6 +121,7 @@ pub fn build(cfg: &ModelConfig, chunks: &[usize], embed: EmbedLayout) -> Graphs 
     }
     Graphs {
         mlir: module.text(),
+        tuning_spec: llvm_cpu_tuning_spec(cfg, embed),
         manifest: Manifest {
             format: MANIFEST_FORMAT.to_string(),
             version: MANIFEST_VERSION,
