@@ -510,13 +510,14 @@ pub fn model_graphs(cfg: &ModelConfig, opts: &IreeOptions) -> graphs::Graphs {
     let mut chunks = opts.chunks.clone();
     chunks.push(1);
     chunks.retain(|&c| c <= cfg.context_capacity);
-    // Panels speed up llvm-cpu's head matvec; the Vulkan path keeps the HF rows, which it
-    // uploads as they are and gathers embedding rows from on the host.
-    let embed = match opts.target {
-        Target::LlvmCpu => EmbedLayout::Panels,
-        Target::VulkanSpirv => EmbedLayout::Rows,
+    // Panels speed up llvm-cpu's head matvec and branches skip work there; the Vulkan path keeps
+    // the HF rows (uploaded as they are, embedding rows gathered on the host) and no branches
+    // (each costs a queue round trip).
+    let graph_opts = match opts.target {
+        Target::LlvmCpu => graphs::GraphOptions::llvm_cpu(),
+        Target::VulkanSpirv => graphs::GraphOptions::vulkan(),
     };
-    graphs::build(cfg, &chunks, embed)
+    graphs::build(cfg, &chunks, graph_opts)
 }
 
 /// Compiles `g` (with its tuning spec) for `target` through the on-disk cache, printing

@@ -11,7 +11,7 @@ use std::process::Command;
 use kvsnap_contract::ModelConfig;
 use kvsnap_iree::emit::{Cmp, DotDims, ElemType, FuncBuilder, Module, Reduction, TensorType};
 use kvsnap_iree::graphs::{
-    self, entry_name, EmbedLayout, Input, Role, DEFAULT_CHUNKS, EMBED_PANEL_LANES,
+    self, entry_name, EmbedLayout, GraphOptions, Input, Role, DEFAULT_CHUNKS, EMBED_PANEL_LANES,
 };
 use kvsnap_reference::tiny::{config, Preset};
 
@@ -418,12 +418,15 @@ fn tensor_types(text: &str) -> Vec<Vec<usize>> {
 
 #[test]
 fn graphs_build_for_tiny_and_real_configs_with_the_head_sliced() {
-    let layouts = [EmbedLayout::Rows, EmbedLayout::Panels];
-    for (cfg, layout) in [config(Preset::Tiny), real_config()]
+    let options = [GraphOptions::vulkan(), GraphOptions::llvm_cpu()];
+    for (cfg, opts) in [config(Preset::Tiny), real_config()]
         .into_iter()
-        .flat_map(|cfg| layouts.map(|l| (cfg.clone(), l)))
+        .flat_map(|cfg| options.map(|o| (cfg.clone(), o)))
     {
-        let g = graphs::build(&cfg, &DEFAULT_CHUNKS, layout);
+        let layout = opts.embed;
+        let g = graphs::build(&cfg, &DEFAULT_CHUNKS, opts);
+        // Branches exactly where asked for.
+        assert_eq!(g.mlir.contains("stablehlo.if"), opts.branches);
         assert_eq!(g.manifest.embed_layout, layout);
         let vocab = cfg.vocab_size;
         // No tensor with a vocab dim and another dim > 1 (no SEQ x vocab logits anywhere),
@@ -475,7 +478,7 @@ fn graphs_build_for_tiny_and_real_configs_with_the_head_sliced() {
 #[test]
 fn manifest_lists_weights_by_hf_name_in_call_order() {
     let cfg = config(Preset::Tiny);
-    let g = graphs::build(&cfg, &[1], EmbedLayout::Rows);
+    let g = graphs::build(&cfg, &[1], GraphOptions::vulkan());
     let e = g.manifest.entry("chunk_ids_c1").unwrap();
     let names: Vec<&str> = e.weights().map(|w| w.name.as_str()).collect();
     assert_eq!(names[0], "model.embed_tokens.weight");
@@ -524,7 +527,7 @@ fn manifest_lists_weights_by_hf_name_in_call_order() {
     assert_eq!(back, g.manifest);
 
     // With panels only the embedding table changes: [512 / 16, 64, 16].
-    let p = graphs::build(&cfg, &[1], EmbedLayout::Panels);
+    let p = graphs::build(&cfg, &[1], GraphOptions::llvm_cpu());
     let pe = p.manifest.entry("chunk_ids_c1").unwrap();
     let table = pe.weights().next().unwrap();
     assert_eq!(table.name, "model.embed_tokens.weight");
@@ -534,8 +537,8 @@ fn manifest_lists_weights_by_hf_name_in_call_order() {
 
 #[test]
 fn tiny_module_compiles() {
-    for layout in [EmbedLayout::Rows, EmbedLayout::Panels] {
-        let g = graphs::build(&config(Preset::Tiny), &DEFAULT_CHUNKS, layout);
+    for opts in [GraphOptions::vulkan(), GraphOptions::llvm_cpu()] {
+        let g = graphs::build(&config(Preset::Tiny), &DEFAULT_CHUNKS, opts);
         compile(&g.mlir, "tiny");
     }
 }

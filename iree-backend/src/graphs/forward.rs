@@ -11,6 +11,7 @@
 use kvsnap_contract::{LayerKind, ModelConfig};
 
 use super::manifest::{EmbedLayout, RingGeometry, EMBED_PANEL_LANES};
+use super::GraphOptions;
 use crate::emit::{Cmp, DotDims, ElemType, FuncBuilder, Reduction, Value};
 
 /// Mask value of invisible attention scores: finite, so that a padding row that sees no key gets
@@ -106,8 +107,8 @@ pub(super) struct Chunk {
 pub(super) struct Forward<'a> {
     pub b: FuncBuilder,
     pub cfg: &'a ModelConfig,
-    /// Layout of the embedding table `gather` and `head` read.
-    pub embed: EmbedLayout,
+    /// The embedding table's layout and whether to branch.
+    pub opts: GraphOptions,
 }
 
 impl<'a> Forward<'a> {
@@ -334,7 +335,7 @@ impl<'a> Forward<'a> {
     /// `[C, hidden]`.
     pub fn gather(&mut self, embed: &Value, ids: &Value) -> Value {
         let c = ids.dims()[0];
-        match self.embed {
+        match self.opts.embed {
             EmbedLayout::Rows => {
                 let idx = self.b.reshape(ids, &[c, 1]);
                 self.b.gather_rows(embed, &idx)
@@ -443,7 +444,11 @@ impl<'a> Forward<'a> {
             }
             LayerKind::Global => {
                 let (k_buf, v_buf) = self.write_rows(&k, &v, k_buf, v_buf, &ch.pos0);
-                let spans = global_spans(cfg.context_capacity, c);
+                let spans = if self.opts.branches {
+                    global_spans(cfg.context_capacity, c)
+                } else {
+                    vec![cfg.context_capacity]
+                };
                 let o = self.attend_live(&q, &k_buf, &v_buf, ch, &spans);
                 (k_buf, v_buf, o)
             }
@@ -582,7 +587,7 @@ impl<'a> Forward<'a> {
     }
 
     /// [`Forward::head`] where `flag` (`[]` i32) is nonzero, else `next` 0 and zero logits;
-    /// only the taken branch runs.
+    /// only the taken branch runs. Without [`GraphOptions::branches`], the head, whatever `flag`.
     pub fn head_if(
         &mut self,
         flag: &Value,
@@ -591,6 +596,9 @@ impl<'a> Forward<'a> {
         norm: &Value,
         embed: &Value,
     ) -> (Value, Value) {
+        if !self.opts.branches {
+            return self.head(ch, x, norm, embed);
+        }
         let zero = self.i32(0, &[]);
         let pred = self.b.compare(Cmp::Ne, flag, &zero);
         let open = self.b.open_region();
@@ -619,7 +627,7 @@ impl<'a> Forward<'a> {
         let last = self.b.sub(&ch.valid, &one);
         let h = self.b.dynamic_slice(x, &[&last, &zero], &[1, hidden]);
         let h = self.rms_norm(&h, norm);
-        let mut logits = match self.embed {
+        let mut logits = match self.opts.embed {
             EmbedLayout::Rows => {
                 let logits = self.b.dot_general(embed, &h, &DotDims::contract(1, 1)); // [vocab, 1]
                 self.b.reshape(&logits, &[vocab])

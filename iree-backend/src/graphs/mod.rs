@@ -27,9 +27,10 @@
 //!   kept as a snapshot (copy it).
 //! - `next` is the argmax of the last valid row's logits (lowest index wins ties), computed on
 //!   the device in two stages; `logits` are that row's only. No `C x vocab` tensor exists.
-//! - `head` 0 skips the head (a `stablehlo.if`): `next` is 0 and `logits` zeros. The head
-//!   streams the whole embedding table, as much as the 18 layers' weights: a prefill computes
-//!   it for its last chunk only.
+//! - `head` 0 skips the head (a `stablehlo.if`, in modules built with
+//!   [`GraphOptions::branches`]): `next` is 0 and `logits` zeros. The head streams the whole
+//!   embedding table, as much as the 18 layers' weights: a prefill asks for it in its last chunk
+//!   only.
 //!
 //! RoPE tables, masks and ring positions are computed inside the graph from `pos0` and `valid`.
 
@@ -79,6 +80,37 @@ pub fn entry_name(input: Input, chunk: usize) -> String {
     format!("chunk_{}_c{chunk}", input.tag())
 }
 
+/// The target-dependent choices of a module.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GraphOptions {
+    /// Layout of the embedding table argument.
+    pub embed: EmbedLayout,
+    /// Skip work with `stablehlo.if`: the head where the `head` argument is 0, and global
+    /// attention beyond the live span (`Forward::attend_live`). Without branches the head
+    /// always runs (`head` is ignored) and global layers attend over the whole capacity. Each
+    /// branch reads its predicate back to the host: cheap on llvm-cpu, a queue round trip on
+    /// Vulkan (with branches the H200's decode step took 63 ms instead of 42).
+    pub branches: bool,
+}
+
+impl GraphOptions {
+    /// What llvm-cpu runs best: the panel table and branches.
+    pub fn llvm_cpu() -> Self {
+        GraphOptions {
+            embed: EmbedLayout::Panels,
+            branches: true,
+        }
+    }
+
+    /// What Vulkan runs best: the HF table, no branches.
+    pub fn vulkan() -> Self {
+        GraphOptions {
+            embed: EmbedLayout::Rows,
+            branches: false,
+        }
+    }
+}
+
 /// An emitted module: its MLIR text and the manifest of its entry points.
 #[derive(Clone, Debug)]
 pub struct Graphs {
@@ -92,11 +124,11 @@ pub struct Graphs {
 }
 
 /// Builds the module for `cfg` with one ids and one embeddings entry point per size in
-/// `chunks` (deduplicated and sorted), taking the embedding table in `embed`'s layout.
+/// `chunks` (deduplicated and sorted), with the choices of `opts`.
 ///
 /// # Panics
 /// If `chunks` is empty or holds 0, or a chunk is longer than the context capacity.
-pub fn build(cfg: &ModelConfig, chunks: &[usize], embed: EmbedLayout) -> Graphs {
+pub fn build(cfg: &ModelConfig, chunks: &[usize], opts: GraphOptions) -> Graphs {
     let mut chunks = chunks.to_vec();
     chunks.sort_unstable();
     chunks.dedup();
@@ -114,21 +146,21 @@ pub fn build(cfg: &ModelConfig, chunks: &[usize], embed: EmbedLayout) -> Graphs 
     let mut entry_points = Vec::new();
     for &c in &chunks {
         for input in Input::ALL {
-            let (text, entry) = entry_point(cfg, input, c, ring, embed);
+            let (text, entry) = entry_point(cfg, input, c, ring, opts);
             module.push(text);
             entry_points.push(entry);
         }
     }
     Graphs {
         mlir: module.text(),
-        tuning_spec: llvm_cpu_tuning_spec(cfg, embed),
+        tuning_spec: llvm_cpu_tuning_spec(cfg, opts.embed),
         manifest: Manifest {
             format: MANIFEST_FORMAT.to_string(),
             version: MANIFEST_VERSION,
             chunks,
             kv_layouts: kv_layouts(cfg),
             ring,
-            embed_layout: embed,
+            embed_layout: opts.embed,
             capacity: cfg.context_capacity,
             entry_points,
         },
@@ -144,7 +176,7 @@ pub fn argmax_module(cfg: &ModelConfig) -> String {
     let mut f = Forward {
         b,
         cfg,
-        embed: EmbedLayout::Rows,
+        opts: GraphOptions::vulkan(),
     };
     let next = f.argmax(&logits);
     let mut module = Module::new("argmax");
@@ -174,7 +206,7 @@ fn entry_point(
     input: Input,
     c: usize,
     ring: RingGeometry,
-    embed_layout: EmbedLayout,
+    opts: GraphOptions,
 ) -> (String, EntryPoint) {
     let first = match input {
         Input::Ids => spec("ids", Role::Ids, &[c], DType::I32),
@@ -186,7 +218,7 @@ fn entry_point(
         spec("valid", Role::Valid, &[], DType::I32),
         spec("head", Role::Head, &[], DType::I32),
     ];
-    args.extend(weight_specs(cfg, embed_layout));
+    args.extend(weight_specs(cfg, opts.embed));
     let kv = kv_specs(cfg, ring);
     args.extend(kv.iter().cloned());
     let mut results = vec![
@@ -212,11 +244,7 @@ fn entry_point(
     let positions = kv_in.pop().expect("sliding.positions");
     assert_eq!(kv_in.len(), 2 * cfg.num_layers(), "one K and V per layer");
 
-    let mut f = Forward {
-        b,
-        cfg,
-        embed: embed_layout,
-    };
+    let mut f = Forward { b, cfg, opts };
     let (ch, positions) = f.chunk(c, pos0, valid, &positions, ring);
     let rows = match input {
         Input::Ids => f.gather(&embed, &chunk_input),
