@@ -3,7 +3,8 @@
 //!
 //! One module holds every entry point; the weights are imported once from the memory-mapped
 //! `model.safetensors` (zero-copy on the CPU device where the tensor's address allows it, else
-//! uploaded once) and passed to every call. A sequence of `n` tokens runs as chunks of the
+//! uploaded once; on llvm-cpu the embedding table from a packed copy in
+//! [`EmbedLayout::Panels`]) and passed to every call. A sequence of `n` tokens runs as chunks of the
 //! compiled sizes, largest first; the last short chunk is padded when a compiled size fits.
 
 use std::path::Path;
