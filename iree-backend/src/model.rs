@@ -17,7 +17,9 @@ use kvsnap_reference::kernels::gather_rows;
 use kvsnap_reference::{Tensor, Weights};
 
 use crate::compile::{CompileProgress, Compiler, Target};
-use crate::graphs::{self, entry_name, DType, EmbedLayout, Input, Manifest, DEFAULT_CHUNKS};
+use crate::graphs::{
+    self, entry_name, DType, EmbedLayout, Input, Manifest, DEFAULT_CHUNKS, EMBED_PANEL_LANES,
+};
 pub use crate::kv::IreeKv;
 use crate::kv::KvPool;
 use crate::resident::{self, Lease};
@@ -164,10 +166,24 @@ fn import_weight(
     manifest: &Manifest,
 ) -> Result<(BufferView, ImportMode)> {
     if spec.name == EMBED_TOKENS && manifest.embed_layout == EmbedLayout::Panels {
-        let rows = file.tensor(EMBED_TOKENS, &[cfg.vocab_size, cfg.hidden_size])?;
+        let hidden = cfg.hidden_size;
+        let rows = file.tensor(EMBED_TOKENS, &[cfg.vocab_size, hidden])?;
         let mut table = AlignedF32::zeroed(spec.dims.iter().product());
-        graphs::pack_panels(&rows, cfg.hidden_size, table.as_mut_slice());
-        let _ = rows.release_resident_pages();
+        // Packed a slice of tokens at a time, each slice's file pages released once packed, so
+        // that the load's RSS holds the packed table plus one slice, not two tables.
+        let tokens_per_slice = PACK_SLICE_PANELS * EMBED_PANEL_LANES;
+        let panel = hidden * EMBED_PANEL_LANES;
+        for (i, out) in table
+            .as_mut_slice()
+            .chunks_mut(PACK_SLICE_PANELS * panel)
+            .enumerate()
+        {
+            let first = i * tokens_per_slice;
+            let end = (first + tokens_per_slice).min(cfg.vocab_size);
+            let elems = first * hidden..end * hidden;
+            graphs::pack_panels(&rows[elems.clone()], hidden, out);
+            let _ = rows.release_resident_range(elems);
+        }
         return BufferView::import_host(device, table, &spec.dims, ElementType::F32);
     }
     let t = file.tensor(&spec.name, &spec.dims)?;
@@ -181,6 +197,9 @@ fn import_weight(
     }
     Ok(imported)
 }
+
+/// Panels packed per slice when importing the panel table (2048: 84 MB of a 640-wide table).
+const PACK_SLICE_PANELS: usize = 2048;
 
 /// HF name of the embedding table (also the tied head).
 const EMBED_TOKENS: &str = "model.embed_tokens.weight";

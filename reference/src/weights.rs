@@ -61,16 +61,29 @@ impl Tensor {
     /// a loader that copied the tensor elsewhere (a GPU): its RSS then stops counting the
     /// upload. Advice only: an error changes nothing; an owned tensor has nothing to drop.
     pub fn release_resident_pages(&self) -> std::io::Result<()> {
+        self.release_resident_range(0..self.len())
+    }
+
+    /// [`Tensor::release_resident_pages`] for the elements `elems` only (the pages they touch,
+    /// so possibly a neighbour's first or last elements too: they fault in again when read).
+    /// A loader that copies a large tensor piece by piece keeps its RSS down this way.
+    ///
+    /// An out-of-range `elems` is an `InvalidInput` error and changes nothing.
+    pub fn release_resident_range(&self, elems: std::ops::Range<usize>) -> std::io::Result<()> {
+        if elems.start > elems.end || elems.end > self.len() {
+            return Err(std::io::ErrorKind::InvalidInput.into());
+        }
         match &self.storage {
-            Storage::Mapped { mmap, offset, len } => {
+            Storage::Mapped { mmap, offset, .. } => {
+                let f32s = std::mem::size_of::<f32>();
                 // SAFETY: the mapping is a read-only shared file mapping: after DONTNEED a read
                 // faults the same file bytes in again, so every view of it stays valid and
                 // unchanged.
                 unsafe {
                     mmap.unchecked_advise_range(
                         memmap2::UncheckedAdvice::DontNeed,
-                        *offset,
-                        *len * std::mem::size_of::<f32>(),
+                        offset + elems.start * f32s,
+                        elems.len() * f32s,
                     )
                 }
             }
@@ -325,6 +338,9 @@ mod tests {
         // Dropping the resident pages keeps every view valid: reads map the same bytes again.
         b.release_resident_pages().unwrap();
         assert_eq!(&b[..], &(0..32).map(|i| i as f32).collect::<Vec<_>>()[..]);
+        b.release_resident_range(8..24).unwrap();
+        assert_eq!(&b[..], &(0..32).map(|i| i as f32).collect::<Vec<_>>()[..]);
+        assert!(b.release_resident_range(8..33).is_err());
         Tensor::owned(vec![1.0], vec![1])
             .release_resident_pages()
             .unwrap();
