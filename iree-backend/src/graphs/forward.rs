@@ -331,7 +331,7 @@ impl<'a> Forward<'a> {
     /// Rows of `embed_tokens` for `ids`.
     ///
     /// # Shapes
-    /// `ids`: `[C]` i32; `embed`: the table in [`Forward::embed`]'s layout; returns
+    /// `ids`: `[C]` i32; `embed`: the table in layout of [`Forward::opts`]; returns
     /// `[C, hidden]`.
     pub fn gather(&mut self, embed: &Value, ids: &Value) -> Value {
         let c = ids.dims()[0];
@@ -617,7 +617,7 @@ impl<'a> Forward<'a> {
     /// Final norm, tied head and greedy argmax of the last valid row.
     ///
     /// # Shapes
-    /// `x`: `[C, hidden]`; `embed`: the table in [`Forward::embed`]'s layout; returns
+    /// `x`: `[C, hidden]`; `embed`: the table in layout of [`Forward::opts`]; returns
     /// `next: []` i32 and `logits: [vocab]`.
     pub fn head(&mut self, ch: &Chunk, x: &Value, norm: &Value, embed: &Value) -> (Value, Value) {
         let hidden = self.cfg.hidden_size;
