@@ -4,8 +4,8 @@
 //! One module holds every entry point; the weights are imported once from the memory-mapped
 //! `model.safetensors` (zero-copy on the CPU device where the tensor's address allows it, else
 //! uploaded once; on llvm-cpu the embedding table from a packed copy in
-//! [`EmbedLayout::Panels`]) and passed to every call. A sequence of `n` tokens runs as chunks of the
-//! compiled sizes, largest first; the last short chunk is padded when a compiled size fits.
+//! [`EmbedLayout::Panels`]) and passed to every call. A sequence of `n` tokens runs as chunks of
+//! the compiled sizes, largest first; the last short chunk is padded when a compiled size fits.
 
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -24,7 +24,8 @@ pub use crate::kv::IreeKv;
 use crate::kv::KvPool;
 use crate::resident::{self, Lease};
 use crate::runtime::{
-    BufferView, Device, DeviceKind, ElementType, ImportMode, ImportStats, HOST_IMPORT_ALIGNMENT,
+    as_bytes, BufferView, Device, DeviceKind, ElementType, ImportMode, ImportStats,
+    HOST_IMPORT_ALIGNMENT,
 };
 
 /// How to load an [`IreeModel`].
@@ -118,10 +119,7 @@ struct TensorBytes(Tensor);
 
 impl AsRef<[u8]> for TensorBytes {
     fn as_ref(&self) -> &[u8] {
-        let f: &[f32] = &self.0;
-        // SAFETY: any initialised f32 slice is a valid byte slice of 4x its length, with the
-        // same lifetime; u8 has alignment 1.
-        unsafe { std::slice::from_raw_parts(f.as_ptr().cast::<u8>(), std::mem::size_of_val(f)) }
+        as_bytes(&self.0)
     }
 }
 
@@ -149,9 +147,7 @@ impl AlignedF32 {
 
 impl AsRef<[u8]> for AlignedF32 {
     fn as_ref(&self) -> &[u8] {
-        let f = &self.buf[self.start..self.start + self.len];
-        // SAFETY: as for `TensorBytes`.
-        unsafe { std::slice::from_raw_parts(f.as_ptr().cast::<u8>(), std::mem::size_of_val(f)) }
+        as_bytes(&self.buf[self.start..self.start + self.len])
     }
 }
 

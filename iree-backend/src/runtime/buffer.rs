@@ -648,12 +648,12 @@ unsafe extern "C" fn release_owner<O>(
 }
 
 /// Plain numbers whose every byte is initialised (no padding), so a slice of them is a byte slice.
-trait Plain: Copy {}
+pub(crate) trait Plain: Copy {}
 impl Plain for f32 {}
 impl Plain for i32 {}
 
 /// Views a slice of plain numbers as bytes.
-fn as_bytes<T: Plain>(data: &[T]) -> &[u8] {
+pub(crate) fn as_bytes<T: Plain>(data: &[T]) -> &[u8] {
     // SAFETY: `Plain` types have no padding and no invalid bytes; the byte slice covers exactly the
     // same memory for the same lifetime.
     unsafe { std::slice::from_raw_parts(data.as_ptr().cast::<u8>(), std::mem::size_of_val(data)) }

@@ -21,6 +21,7 @@ mod instance;
 mod session;
 mod status;
 
+pub(crate) use buffer::as_bytes;
 pub use buffer::{BufferView, ElementType, Transfer, HOST_IMPORT_ALIGNMENT};
 pub use device::{AllocatorStats, Device, DeviceKind, ImportMode, ImportStats};
 pub use instance::Instance;
