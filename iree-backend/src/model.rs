@@ -3,8 +3,8 @@
 //!
 //! One module holds every entry point; the weights are imported once from the memory-mapped
 //! `model.safetensors` (zero-copy on the CPU device where the tensor's address allows it, else
-//! uploaded once; on llvm-cpu the embedding table from a packed copy in
-//! [`EmbedLayout::Panels`]) and passed to every call. A sequence of `n` tokens runs as chunks of
+//! uploaded once; on llvm-cpu the matrices from packed copies in
+//! [`WeightLayout::Panels`]) and passed to every call. A sequence of `n` tokens runs as chunks of
 //! the compiled sizes, largest first; the last short chunk is padded when a compiled size fits.
 
 use std::path::Path;
@@ -18,7 +18,7 @@ use kvsnap_reference::{Tensor, Weights};
 
 use crate::compile::{CompileProgress, Compiler, Target};
 use crate::graphs::{
-    self, entry_name, DType, EmbedLayout, Input, Manifest, DEFAULT_CHUNKS, EMBED_PANEL_LANES,
+    self, entry_name, DType, Input, Manifest, WeightLayout, DEFAULT_CHUNKS, PANEL_LANES,
 };
 pub use crate::kv::IreeKv;
 use crate::kv::KvPool;
@@ -151,50 +151,46 @@ impl AsRef<[u8]> for AlignedF32 {
     }
 }
 
-/// Imports one weight of the manifest onto `device`: zero-copy from the memory-mapped file
-/// where the device allows it; the embedding table in [`EmbedLayout::Panels`] from a packed
-/// copy (after which the file's pages of it are released: the host reads only rows of it).
+/// Imports one weight of the manifest onto `device` (`hf`: its spec in the HF layout):
+/// zero-copy from the memory-mapped file where the device allows it; a matrix in
+/// [`WeightLayout::Panels`] from a packed copy, after which the file's pages of it are
+/// released (the host reads only rows of the embedding table).
 fn import_weight(
     device: &Device,
     file: &Weights,
-    cfg: &ModelConfig,
+    hf: &graphs::TensorSpec,
     spec: &graphs::TensorSpec,
-    manifest: &Manifest,
 ) -> Result<(BufferView, ImportMode)> {
-    if spec.name == EMBED_TOKENS && manifest.embed_layout == EmbedLayout::Panels {
-        let hidden = cfg.hidden_size;
-        let rows = file.tensor(EMBED_TOKENS, &[cfg.vocab_size, hidden])?;
-        let mut table = AlignedF32::zeroed(spec.dims.iter().product());
-        // Packed a slice of tokens at a time, each slice's file pages released once packed, so
-        // that the load's RSS holds the packed table plus one slice, not two tables.
-        let tokens_per_slice = PACK_SLICE_PANELS * EMBED_PANEL_LANES;
-        let panel = hidden * EMBED_PANEL_LANES;
-        for (i, out) in table
+    let t = file.tensor(&spec.name, &hf.dims)?;
+    if spec.dims != hf.dims {
+        let cols = hf.dims[1];
+        let mut panels = AlignedF32::zeroed(spec.dims.iter().product());
+        // Packed a slice of rows at a time, each slice's file pages released once packed, so
+        // that the load's RSS holds the packed matrix plus one slice, not two copies.
+        let rows_per_slice = PACK_SLICE_PANELS * PANEL_LANES;
+        for (i, out) in panels
             .as_mut_slice()
-            .chunks_mut(PACK_SLICE_PANELS * panel)
+            .chunks_mut(PACK_SLICE_PANELS * PANEL_LANES * cols)
             .enumerate()
         {
-            let first = i * tokens_per_slice;
-            let end = (first + tokens_per_slice).min(cfg.vocab_size);
-            let elems = first * hidden..end * hidden;
-            graphs::pack_panels(&rows[elems.clone()], hidden, out);
-            let _ = rows.release_resident_range(elems);
+            let first = i * rows_per_slice;
+            let end = (first + rows_per_slice).min(hf.dims[0]);
+            let elems = first * cols..end * cols;
+            graphs::pack_panels(&t[elems.clone()], cols, out);
+            let _ = t.release_resident_range(elems);
         }
-        return BufferView::import_host(device, table, &spec.dims, ElementType::F32);
+        return BufferView::import_host(device, panels, &spec.dims, ElementType::F32);
     }
-    let t = file.tensor(&spec.name, &spec.dims)?;
     let imported = BufferView::import_host(device, TensorBytes(t), &spec.dims, ElementType::F32)?;
     if let ImportMode::Copied { .. } = imported.1 {
         // The device has its copy (Vulkan): the pages the upload read need not stay in this
         // process's RSS (the host later reads only embedding rows).
-        let _ = file
-            .tensor(&spec.name, &spec.dims)?
-            .release_resident_pages();
+        let _ = file.tensor(&spec.name, &hf.dims)?.release_resident_pages();
     }
     Ok(imported)
 }
 
-/// Panels packed per slice when importing the panel table (2048: 84 MB of a 640-wide table).
+/// Panels packed per slice when importing a matrix in panels (2048: 84 MB of a 640-wide one).
 const PACK_SLICE_PANELS: usize = 2048;
 
 /// HF name of the embedding table (also the tied head).
@@ -237,11 +233,13 @@ impl IreeModel {
 
         let file = Weights::open(&dir.join("model.safetensors"))?;
         let first = &g.manifest.entry_points[0];
+        let hf = graphs::weight_specs(&cfg, WeightLayout::Rows);
         let mut imports = ImportStats::default();
         let weights = first
             .weights()
-            .map(|spec| {
-                let (view, mode) = import_weight(&device, &file, &cfg, spec, &g.manifest)?;
+            .zip(&hf)
+            .map(|(spec, hf)| {
+                let (view, mode) = import_weight(&device, &file, hf, spec)?;
                 let bytes = view.byte_length() as u64;
                 match mode {
                     ImportMode::ZeroCopy => {

@@ -11,7 +11,7 @@ use std::process::Command;
 use kvsnap_contract::ModelConfig;
 use kvsnap_iree::emit::{Cmp, DotDims, ElemType, FuncBuilder, Module, Reduction, TensorType};
 use kvsnap_iree::graphs::{
-    self, entry_name, EmbedLayout, GraphOptions, Input, Role, DEFAULT_CHUNKS, EMBED_PANEL_LANES,
+    self, entry_name, GraphOptions, Input, Role, WeightLayout, DEFAULT_CHUNKS, PANEL_LANES,
 };
 use kvsnap_reference::tiny::{config, Preset};
 
@@ -222,6 +222,24 @@ fn dot_general() {
 }
 
 #[test]
+fn mmt4d_accumulates_packed_tiles_from_zero() {
+    // lhs [M1=1, K1=4, M0=2, K0=1] . rhs [N1=3, K1=4, N0=16, K0=1] -> [1, 3, 2, 16].
+    let t = body(&[f32t(&[1, 4, 2, 1]), f32t(&[3, 4, 16, 1])], |b, a| {
+        b.mmt4d(&a[0], &a[1]);
+    });
+    assert_eq!(
+        t,
+        "%2 = \"stablehlo.constant\"() {value = dense<0x00000000> : tensor<1x3x2x16xf32>} : () -> tensor<1x3x2x16xf32>\n\
+         %3 = \"linalg.mmt4d\"(%0, %1, %2) <{operandSegmentSizes = array<i32: 2, 1>}> ({\n\
+         ^bb0(%4: f32, %5: f32, %6: f32):\n\
+         %7 = \"arith.mulf\"(%4, %5) : (f32, f32) -> f32\n\
+         %8 = \"arith.addf\"(%6, %7) : (f32, f32) -> f32\n\
+         \"linalg.yield\"(%8) : (f32) -> ()\n\
+         }) : (tensor<1x4x2x1xf32>, tensor<3x4x16x1xf32>, tensor<1x3x2x16xf32>) -> tensor<1x3x2x16xf32>"
+    );
+}
+
+#[test]
 fn indexing_ops() {
     let t = body(
         &[f32t(&[6, 2, 4]), i32t(&[]), f32t(&[3, 2, 4]), i32t(&[3, 1])],
@@ -358,6 +376,11 @@ fn every_op_compiles() {
     let s = b.dynamic_slice(&y, &[&i, &i, &i], &[2, 2, 4]);
     let s = b.reshape(&s, &[4, 4]);
     let m = b.dot_general(&w, &s, &DotDims::contract(1, 1)); // [8, 4]
+    let packed = b.reshape(&w, &[2, 4, 4, 1]);
+    let lhs = b.reshape(&s, &[1, 4, 4, 1]);
+    let tiles = b.mmt4d(&lhs, &packed); // [1, 2, 4, 4]
+    let tiles = b.reshape(&tiles, &[8, 4]);
+    let m = b.add(&m, &tiles);
     let t = b.transpose(&m, &[1, 0]);
     let c = b.const_f32(0.5, &[4, 8]);
     let t = b.mul(&t, &c);
@@ -423,17 +446,17 @@ fn graphs_build_for_tiny_and_real_configs_with_the_head_sliced() {
         .into_iter()
         .flat_map(|cfg| options.map(|o| (cfg.clone(), o)))
     {
-        let layout = opts.embed;
+        let layout = opts.layout;
         let g = graphs::build(&cfg, &DEFAULT_CHUNKS, opts);
         // Branches exactly where asked for.
         assert_eq!(g.mlir.contains("stablehlo.if"), opts.branches);
-        assert_eq!(g.manifest.embed_layout, layout);
+        assert_eq!(g.manifest.weight_layout, layout);
         let vocab = cfg.vocab_size;
         // No tensor with a vocab dim and another dim > 1 (no SEQ x vocab logits anywhere),
         // except the embedding table itself (and, with panels, the head's products of the
         // table's shape and its `[panels, 16]` sums).
         let table = layout.dims(vocab, cfg.hidden_size);
-        let panels = vocab.div_ceil(EMBED_PANEL_LANES);
+        let panels = vocab.div_ceil(PANEL_LANES);
         for dims in tensor_types(&g.mlir) {
             if dims == table {
                 continue;
@@ -447,10 +470,10 @@ fn graphs_build_for_tiny_and_real_configs_with_the_head_sliced() {
             }
             // A panels dim is the table's or the head's sums. Checked where no other dim can
             // equal it: the tiny model's 32 panels are also its head_dim.
-            if layout == EmbedLayout::Panels && panels > 1024 && dims.contains(&panels) {
+            if layout == WeightLayout::Panels && panels > 1024 && dims.contains(&panels) {
                 assert_eq!(
                     dims,
-                    [panels, EMBED_PANEL_LANES],
+                    [panels, PANEL_LANES],
                     "tensor {dims:?} has a panels ({panels}) dim besides the head's"
                 );
             }
@@ -526,13 +549,25 @@ fn manifest_lists_weights_by_hf_name_in_call_order() {
     let back: graphs::Manifest = serde_json::from_str(&json).unwrap();
     assert_eq!(back, g.manifest);
 
-    // With panels only the embedding table changes: [512 / 16, 64, 16].
+    // With panels every matrix is `[rows / 16, cols, 16]`; the norms stay as they are.
     let p = graphs::build(&cfg, &[1], GraphOptions::llvm_cpu());
+    assert_eq!(p.manifest.weight_layout, WeightLayout::Panels);
     let pe = p.manifest.entry("chunk_ids_c1").unwrap();
+    assert_eq!(pe.weights().count(), e.weights().count());
+    for (panels, rows) in pe.weights().zip(e.weights()) {
+        assert_eq!(panels.name, rows.name);
+        match rows.dims[..] {
+            [r, c] => assert_eq!(
+                panels.dims,
+                [r.div_ceil(PANEL_LANES), c, PANEL_LANES],
+                "{}",
+                rows.name
+            ),
+            _ => assert_eq!(panels.dims, rows.dims, "{}", rows.name),
+        }
+    }
     let table = pe.weights().next().unwrap();
-    assert_eq!(table.name, "model.embed_tokens.weight");
     assert_eq!(table.dims, [cfg.vocab_size / 16, cfg.hidden_size, 16]);
-    assert!(pe.weights().skip(1).eq(e.weights().skip(1)));
 }
 
 #[test]

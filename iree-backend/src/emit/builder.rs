@@ -173,6 +173,13 @@ impl FuncBuilder {
         v
     }
 
+    /// A fresh SSA name for a scalar inside a region (`%12`).
+    fn fresh_name(&mut self) -> String {
+        let name = format!("%{}", self.next_id);
+        self.next_id += 1;
+        name
+    }
+
     /// Appends a function argument of type `ty`.
     pub fn arg(&mut self, ty: TensorType) -> Value {
         let v = self.fresh(ty);
@@ -696,6 +703,40 @@ impl FuncBuilder {
             ),
             lhs.ty.elem_dims(&dims),
         )
+    }
+
+    /// Emits `linalg.mmt4d` (the one non-StableHLO op, which IREE's input conversion passes
+    /// through): `acc + lhs . rhs^T` over packed tiles, `lhs [M1, K1, M0, K0]`,
+    /// `rhs [N1, K1, N0, K0]`, result `[M1, N1, M0, N0]`, with
+    /// `out[m1, n1, m0, n0] = sum over k1, k0 of lhs[m1, k1, m0, k0] * rhs[n1, k1, n0, k0]`
+    /// accumulated in f32 from zero.
+    pub fn mmt4d(&mut self, lhs: &Value, rhs: &Value) -> Value {
+        let (l, r) = (lhs.dims(), rhs.dims());
+        assert!(
+            lhs.elem() == ElemType::F32
+                && rhs.elem() == ElemType::F32
+                && l.len() == 4
+                && r.len() == 4
+                && l[1] == r[1]
+                && l[3] == r[3],
+            "mmt4d: lhs {} and rhs {} are not packed tiles over one K",
+            lhs.ty,
+            rhs.ty
+        );
+        let acc = self.const_f32(0.0, &[l[0], r[0], l[2], r[2]]);
+        let r = self.fresh(acc.ty.clone());
+        let (a, b, c) = (self.fresh_name(), self.fresh_name(), self.fresh_name());
+        let (p, s) = (self.fresh_name(), self.fresh_name());
+        writeln!(
+            self.body,
+            "    {r} = \"linalg.mmt4d\"({lhs}, {rhs}, {acc}) <{{operandSegmentSizes = array<i32: 2, 1>}}> ({{\n    ^bb0({a}: f32, {b}: f32, {c}: f32):\n      {p} = \"arith.mulf\"({a}, {b}) : (f32, f32) -> f32\n      {s} = \"arith.addf\"({c}, {p}) : (f32, f32) -> f32\n      \"linalg.yield\"({s}) : (f32) -> ()\n    }}) : ({}, {}, {}) -> {}",
+            lhs.ty,
+            rhs.ty,
+            acc.ty,
+            r.ty
+        )
+        .expect("writing to a String");
+        r
     }
 
     // ---- indexing -----------------------------------------------------------------------

@@ -1,16 +1,18 @@
 //! The Gemma 3 forward pass of one chunk as StableHLO, mirroring `kvsnap_reference`'s blocks.
 //!
 //! Activations are row-major `[C, features]` like the reference's. Every projection is
-//! `W . x^T` with the HF `[out, in]` weight as the LEFT operand of `dot_general`, which IREE
-//! compiles without transposing the weight per call (see IREE-NOTES), followed by a transpose
-//! of the small `[out, C]` result. Keeping features innermost also keeps every reduction (norms,
+//! `x . W^T` ([`Forward::linear`]): with HF `[out, in]` weights, `W . x^T` with the weight as
+//! the LEFT operand of `dot_general`, which IREE compiles without transposing the weight per
+//! call (see IREE-NOTES), followed by a transpose of the small `[out, C]` result; with panels,
+//! a reduction over the panels (one row) or a `linalg.mmt4d` (a chunk). Keeping features
+//! innermost also keeps every reduction (norms,
 //! softmax) over the innermost dim: IREE 3.13's SPIR-V code for a reduction over an outer dim
 //! fused with its broadcast consumer returned garbage for all but the first 8 columns on
 //! lavapipe (an RMSNorm over dim 0 of `[64, 16]`).
 
 use kvsnap_contract::{LayerKind, ModelConfig};
 
-use super::manifest::{EmbedLayout, RingGeometry, EMBED_PANEL_LANES};
+use super::manifest::{RingGeometry, WeightLayout, PANEL_LANES};
 use super::GraphOptions;
 use crate::emit::{Cmp, DotDims, ElemType, FuncBuilder, Reduction, Value};
 
@@ -37,7 +39,8 @@ fn global_spans(capacity: usize, c: usize) -> Vec<usize> {
     spans
 }
 
-/// One layer's weights as function arguments, in [`super::LAYER_WEIGHTS`] order.
+/// One layer's weights as function arguments, in [`super::LAYER_WEIGHTS`] order; the HF
+/// shapes are given, the matrices come in the module's [`WeightLayout`].
 pub(super) struct LayerWeights {
     pub input_layernorm: Value,            // [hidden]
     pub q_proj: Value,                     // [heads * hd, hidden]
@@ -127,11 +130,77 @@ impl<'a> Forward<'a> {
         self.b.splat(x, dims)
     }
 
-    /// `x . W^T` for an HF `[out, in]` weight and `[C, in]` rows, computed as
-    /// `transpose(W . x^T)` with the weight as the left operand: `[C, out]`.
-    fn linear(&mut self, w: &Value, x: &Value) -> Value {
-        let t = self.b.dot_general(w, x, &DotDims::contract(1, 1)); // [out, C]
-        self.b.transpose(&t, &[1, 0])
+    /// `x . W^T` for a `[out, in]` weight `w` in the module's [`WeightLayout`] and `[C, in]`
+    /// rows `x`: `[C, out]`.
+    ///
+    /// - `Rows`: `transpose(W . x^T)` with the HF weight as the left operand of `dot_general`,
+    ///   which IREE compiles without transposing the weight per call (see IREE-NOTES).
+    /// - `Panels`: the decode step's row as [`Forward::panel_matvec`], a chunk of rows as
+    ///   [`Forward::panel_matmul`]; rows past `out` (padding of the last panel) are cut off.
+    fn linear(&mut self, w: &Value, x: &Value, out: usize) -> Value {
+        let c = x.dims()[0];
+        match self.opts.layout {
+            WeightLayout::Rows => {
+                assert_eq!(
+                    w.dims()[0],
+                    out,
+                    "linear: weight {} for {out} outputs",
+                    w.ty
+                );
+                let t = self.b.dot_general(w, x, &DotDims::contract(1, 1)); // [out, C]
+                self.b.transpose(&t, &[1, 0])
+            }
+            WeightLayout::Panels => {
+                let y = if c == 1 {
+                    let v = self.b.reshape(x, &[x.dims()[1]]);
+                    let y = self.panel_matvec(w, &v);
+                    let n = y.dims()[0];
+                    self.b.reshape(&y, &[1, n])
+                } else {
+                    self.panel_matmul(w, x)
+                };
+                if y.dims()[1] > out {
+                    self.b.slice(&y, &[0, 0], &[c, out])
+                } else {
+                    y
+                }
+            }
+        }
+    }
+
+    /// `W . v` for panels `w` (`[P, in, 16]`) and `v` (`[in]`): `[16 P]`, as a reduction over
+    /// the middle dim of `w * v`. IREE keeps the 16 lanes as one vector and accumulates along
+    /// the panel, one 64-byte load per FMA in address order (the tuning spec of
+    /// [`super::llvm_cpu_tuning_spec`] runs four panels per tile); `dot_general` would become a
+    /// matvec over a transposed copy of the weight.
+    fn panel_matvec(&mut self, w: &Value, v: &Value) -> Value {
+        let dims = w.dims().to_vec();
+        let v = self.b.broadcast_in_dim(v, &dims, &[1]);
+        let products = self.b.mul(w, &v);
+        let y = self.b.reduce(&products, Reduction::Sum, &[1]); // [P, 16]
+        self.b.reshape(&y, &[dims[0] * dims[2]])
+    }
+
+    /// `x . W^T` for panels `w` (`[P, in, 16]`) and `C > 1` rows `x` (`[C, in]`): `[C, 16 P]`,
+    /// as a `linalg.mmt4d` whose right operand is the panels as they are (they are its packed
+    /// `[N1, K, N0 = 16, K0 = 1]` layout) and whose left operand packs `x` into tiles of `m0`
+    /// rows (16 when `C` allows). The pack and unpack of the small activations are transposes;
+    /// the weight is read once, in order.
+    fn panel_matmul(&mut self, w: &Value, x: &Value) -> Value {
+        let (c, k) = (x.dims()[0], x.dims()[1]);
+        let (panels, lanes) = (w.dims()[0], w.dims()[2]);
+        let m0 = [16, 8, 4, 2, 1]
+            .into_iter()
+            .find(|m| c % m == 0)
+            .expect("1 divides everything");
+        let m1 = c / m0;
+        let lhs = self.b.reshape(x, &[m1, m0, k]);
+        let lhs = self.b.transpose(&lhs, &[0, 2, 1]);
+        let lhs = self.b.reshape(&lhs, &[m1, k, m0, 1]);
+        let rhs = self.b.reshape(w, &[panels, k, lanes, 1]);
+        let y = self.b.mmt4d(&lhs, &rhs); // [m1, panels, m0, 16]
+        let y = self.b.transpose(&y, &[0, 2, 1, 3]);
+        self.b.reshape(&y, &[c, panels * lanes])
     }
 
     /// `x * rsqrt(mean(x^2) + eps) * (1 + w)` over the last dim of `x`, in f32 as the
@@ -335,13 +404,13 @@ impl<'a> Forward<'a> {
     /// `[C, hidden]`.
     pub fn gather(&mut self, embed: &Value, ids: &Value) -> Value {
         let c = ids.dims()[0];
-        match self.opts.embed {
-            EmbedLayout::Rows => {
+        match self.opts.layout {
+            WeightLayout::Rows => {
                 let idx = self.b.reshape(ids, &[c, 1]);
                 self.b.gather_rows(embed, &idx)
             }
-            EmbedLayout::Panels => {
-                let lanes = self.i32(EMBED_PANEL_LANES as i32, &[c]);
+            WeightLayout::Panels => {
+                let lanes = self.i32(PANEL_LANES as i32, &[c]);
                 let panel = self.b.div(ids, &lanes);
                 let lane = self.b.remainder(ids, &lanes);
                 let panel = self.b.reshape(&panel, &[c, 1]);
@@ -379,8 +448,9 @@ impl<'a> Forward<'a> {
 
     /// `down(gelu_tanh(gate(x)) * up(x))`, GELU written as the reference's `gelu_tanh`.
     fn mlp(&mut self, w: &LayerWeights, x: &Value) -> Value {
-        let g = self.linear(&w.gate_proj, x);
-        let u = self.linear(&w.up_proj, x);
+        let ffn = self.cfg.intermediate_size;
+        let g = self.linear(&w.gate_proj, x, ffn);
+        let u = self.linear(&w.up_proj, x, ffn);
         let dims = g.dims().to_vec();
         // 0.5 * x * (1 + tanh(SQRT_2_OVER_PI * (x + 0.044715 * x * x * x)))
         let c = self.f32(0.044715, &dims);
@@ -397,7 +467,7 @@ impl<'a> Forward<'a> {
         let y = self.b.mul(&half, &g);
         let y = self.b.mul(&y, &t);
         let y = self.b.mul(&y, &u);
-        self.linear(&w.down_proj, &y)
+        self.linear(&w.down_proj, &y, self.cfg.hidden_size)
     }
 
     /// Self-attention of the chunk: projections, q/k norms, RoPE, attention over the cache and
@@ -417,11 +487,11 @@ impl<'a> Forward<'a> {
         let cfg = self.cfg;
         let (c, hd, kvh) = (ch.c, cfg.head_dim, cfg.num_key_value_heads);
         let g = cfg.group_size();
-        let q = self.linear(&w.q_proj, x);
+        let q = self.linear(&w.q_proj, x, cfg.num_attention_heads * hd);
         let q = self.b.reshape(&q, &[c, kvh, g, hd]);
-        let k = self.linear(&w.k_proj, x);
+        let k = self.linear(&w.k_proj, x, kvh * hd);
         let k = self.b.reshape(&k, &[c, kvh, hd]);
-        let v = self.linear(&w.v_proj, x);
+        let v = self.linear(&w.v_proj, x, kvh * hd);
         let v = self.b.reshape(&v, &[c, kvh, hd]);
         let q = self.rms_norm(&q, &w.q_norm);
         let k = self.rms_norm(&k, &w.k_norm);
@@ -456,7 +526,7 @@ impl<'a> Forward<'a> {
         // [kvh, C, g, hd] -> [C, kvh, g, hd] -> [C, heads * hd]
         let o = self.b.transpose(&o, &[1, 0, 2, 3]);
         let o = self.b.reshape(&o, &[c, kvh * g * hd]);
-        (self.linear(&w.o_proj, &o), k_buf, v_buf)
+        (self.linear(&w.o_proj, &o, cfg.hidden_size), k_buf, v_buf)
     }
 
     /// `select(i < valid, x[i, ...], 0)` over the first (chunk) dim.
@@ -627,22 +697,15 @@ impl<'a> Forward<'a> {
         let last = self.b.sub(&ch.valid, &one);
         let h = self.b.dynamic_slice(x, &[&last, &zero], &[1, hidden]);
         let h = self.rms_norm(&h, norm);
-        let mut logits = match self.opts.embed {
-            EmbedLayout::Rows => {
+        let mut logits = match self.opts.layout {
+            WeightLayout::Rows => {
                 let logits = self.b.dot_general(embed, &h, &DotDims::contract(1, 1)); // [vocab, 1]
                 self.b.reshape(&logits, &[vocab])
             }
-            EmbedLayout::Panels => {
-                // A reduction over the middle (hidden) dim of [panels, hidden, 16]: IREE keeps
-                // the 16 lanes as one vector and accumulates along the panel, where
-                // `dot_general` would become a matvec over a transposed copy of the table.
-                let dims = embed.dims().to_vec();
+            WeightLayout::Panels => {
                 let h = self.b.reshape(&h, &[hidden]);
-                let h = self.b.broadcast_in_dim(&h, &dims, &[1]);
-                let products = self.b.mul(embed, &h);
-                let logits = self.b.reduce(&products, Reduction::Sum, &[1]); // [panels, 16]
-                let logits = self.b.reshape(&logits, &[dims[0] * dims[2]]);
-                if dims[0] * dims[2] > vocab {
+                let logits = self.panel_matvec(embed, &h);
+                if logits.dims()[0] > vocab {
                     self.b.slice(&logits, &[0], &[vocab])
                 } else {
                     logits

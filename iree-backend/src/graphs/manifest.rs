@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 /// Format name written into every manifest.
 pub const MANIFEST_FORMAT: &str = "kvsnap-iree-graphs";
 /// Version of the manifest layout and of the entry-point conventions it describes.
-pub const MANIFEST_VERSION: u32 = 2;
+pub const MANIFEST_VERSION: u32 = 3;
 
 /// Element type of an argument or result.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -34,8 +34,9 @@ pub enum Role {
     /// `head: [] i32`: nonzero computes the head (`next`, `logits`); 0 skips it and returns
     /// `next` 0 and zero logits (a prefill's chunks before its last need no head).
     Head,
-    /// A model weight, in the HF layout of `model.safetensors` (the embedding table in the
-    /// manifest's [`EmbedLayout`]); `name` is its HF tensor name.
+    /// A model weight; `name` is its HF tensor name. Vectors (norms) in the HF layout of
+    /// `model.safetensors`, matrices (the embedding table and the projections) in the
+    /// manifest's [`WeightLayout`].
     Weight,
     /// A KV buffer (input: the state before the chunk; result: after it, updated in place):
     /// the K and V of each layer, then the `sliding.positions` table (i32).
@@ -60,65 +61,68 @@ pub struct TensorSpec {
     pub dtype: DType,
 }
 
-/// Lanes per panel of [`EmbedLayout::Panels`]: one 64-byte vector of f32.
-pub const EMBED_PANEL_LANES: usize = 16;
+/// Lanes per panel of [`WeightLayout::Panels`]: one 64-byte vector of f32.
+pub const PANEL_LANES: usize = 16;
 
-/// How the embedding table (`model.embed_tokens.weight`, also the tied head) is passed.
+/// How the matrix weights (the embedding table, also the tied head, and every projection) are
+/// passed; vectors (norms) are always passed as they are.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
-pub enum EmbedLayout {
-    /// The HF layout `[vocab, hidden]`.
+pub enum WeightLayout {
+    /// The HF layout `[rows, cols]` (`[out, in]` for a projection, `[vocab, hidden]` for the
+    /// table).
     #[default]
     Rows,
-    /// `[ceil(vocab / 16), hidden, 16]`: panel `p` holds tokens `16 p .. 16 p + 16` as its
-    /// lanes, `table[p, k, j] = embed[16 p + j, k]`, zero past the vocabulary. The head's
-    /// matvec then reads 64-byte vectors of 16 tokens' weights in order, which IREE's llvm-cpu
-    /// code streams about a third faster than its matvec over `[vocab, hidden]` rows.
+    /// `[ceil(rows / 16), cols, 16]`: panel `p` holds rows `16 p .. 16 p + 16` as its lanes,
+    /// `panels[p, k, j] = w[16 p + j, k]`, zero past the last row. A matrix-vector product then
+    /// reads 64-byte vectors of 16 rows' weights in order, which IREE's llvm-cpu code streams
+    /// up to half again as fast as its matvec over `[rows, cols]` (whose 16x16 tiles restart
+    /// 16 short streams every 640 columns); a prefill's matrix product over panels is a
+    /// `linalg.mmt4d` with the panels as its packed right operand, as fast as the HF layout's.
     Panels,
 }
 
-impl EmbedLayout {
-    /// The dims of the table for `vocab` tokens of `hidden` features.
-    pub fn dims(self, vocab: usize, hidden: usize) -> Vec<usize> {
+impl WeightLayout {
+    /// The dims of a `[rows, cols]` matrix in this layout.
+    pub fn dims(self, rows: usize, cols: usize) -> Vec<usize> {
         match self {
-            EmbedLayout::Rows => vec![vocab, hidden],
-            EmbedLayout::Panels => {
-                vec![vocab.div_ceil(EMBED_PANEL_LANES), hidden, EMBED_PANEL_LANES]
-            }
+            WeightLayout::Rows => vec![rows, cols],
+            WeightLayout::Panels => vec![rows.div_ceil(PANEL_LANES), cols, PANEL_LANES],
         }
     }
 }
 
-/// Writes `[vocab, hidden]` rows into `out` as the `[ceil(vocab / 16), hidden, 16]` panels of
-/// [`EmbedLayout::Panels`], zero-padded past the vocabulary, on all cores (each panel is
-/// independent).
+/// Writes a row-major `[rows, cols]` matrix into `out` as the `[ceil(rows / 16), cols, 16]`
+/// panels of [`WeightLayout::Panels`], zero-padded past the last row, on all cores (each panel
+/// is independent). `src` may be a slice of whole panels of a larger matrix (`out` then holds
+/// those panels).
 ///
 /// # Panics
-/// If `out` is not `ceil(vocab / 16) * hidden * 16` long or `rows` not a multiple of `hidden`.
-pub fn pack_panels(rows: &[f32], hidden: usize, out: &mut [f32]) {
-    const W: usize = EMBED_PANEL_LANES;
+/// If `out` is not `ceil(rows / 16) * cols * 16` long or `src` not a multiple of `cols`.
+pub fn pack_panels(src: &[f32], cols: usize, out: &mut [f32]) {
+    const W: usize = PANEL_LANES;
     assert!(
-        hidden > 0 && rows.len().is_multiple_of(hidden),
+        cols > 0 && src.len().is_multiple_of(cols),
         "pack_panels: ragged rows"
     );
-    let vocab = rows.len() / hidden;
-    let panel = hidden * W;
+    let rows = src.len() / cols;
+    let panel = cols * W;
     assert_eq!(
         out.len(),
-        vocab.div_ceil(W) * panel,
+        rows.div_ceil(W) * panel,
         "pack_panels: output length"
     );
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let per_thread = vocab.div_ceil(W).div_ceil(threads).max(1) * panel;
+    let per_thread = rows.div_ceil(W).div_ceil(threads).max(1) * panel;
     std::thread::scope(|s| {
         for (t, part) in out.chunks_mut(per_thread).enumerate() {
             let first = t * per_thread / panel;
             s.spawn(move || {
                 for (i, dst) in part.chunks_mut(panel).enumerate() {
-                    let tokens = ((first + i) * W)..((first + i + 1) * W).min(vocab);
+                    let panel_rows = ((first + i) * W)..((first + i + 1) * W).min(rows);
                     dst.fill(0.0);
-                    for (j, token) in tokens.enumerate() {
-                        let src = &rows[token * hidden..(token + 1) * hidden];
+                    for (j, row) in panel_rows.enumerate() {
+                        let src = &src[row * cols..(row + 1) * cols];
                         for (k, &x) in src.iter().enumerate() {
                             dst[k * W + j] = x;
                         }
@@ -196,8 +200,8 @@ pub struct Manifest {
     pub kv_layouts: Vec<KvLayout>,
     /// Rows of the sliding layers' buffers.
     pub ring: RingGeometry,
-    /// Layout of the embedding table argument.
-    pub embed_layout: EmbedLayout,
+    /// Layout of the matrix weights.
+    pub weight_layout: WeightLayout,
     /// A chunk at `pos0` must satisfy `pos0 + C <= capacity` (full-layer buffers have
     /// `capacity` rows, and a dynamic update slice would clamp a write past the end).
     pub capacity: usize,
@@ -225,18 +229,23 @@ impl EntryPoint {
 }
 
 /// The weights every entry point takes, in call order, with their HF names and shapes:
-/// `model.embed_tokens.weight` (in `embed`'s layout), then per layer the 13 tensors of
-/// [`LAYER_WEIGHTS`], then `model.norm.weight`.
-pub fn weight_specs(cfg: &ModelConfig, embed: EmbedLayout) -> Vec<TensorSpec> {
+/// `model.embed_tokens.weight`, then per layer the 13 tensors of [`LAYER_WEIGHTS`], then
+/// `model.norm.weight`; the matrices in `layout` (with [`WeightLayout::Rows`], the shapes of
+/// `model.safetensors`).
+pub fn weight_specs(cfg: &ModelConfig, layout: WeightLayout) -> Vec<TensorSpec> {
     let h = cfg.hidden_size;
     let mut out = vec![weight(
         "model.embed_tokens.weight",
-        &embed.dims(cfg.vocab_size, h),
+        &layout.dims(cfg.vocab_size, h),
     )];
     for layer in 0..cfg.num_layers() {
         for (suffix, _) in LAYER_WEIGHTS {
             let name = format!("model.layers.{layer}.{suffix}");
-            out.push(weight(&name, &layer_weight_dims(cfg, suffix)));
+            let dims = match layer_weight_dims(cfg, suffix)[..] {
+                [rows, cols] => layout.dims(rows, cols),
+                ref vector => vector.to_vec(),
+            };
+            out.push(weight(&name, &dims));
         }
     }
     out.push(weight("model.norm.weight", &[h]));
@@ -330,27 +339,27 @@ mod tests {
     use super::*;
 
     #[test]
-    fn panels_hold_sixteen_tokens_as_lanes_and_zeros_past_the_vocab() {
+    fn panels_hold_sixteen_rows_as_lanes_and_zeros_past_the_last_row() {
         let (vocab, hidden) = (37, 3); // three panels, the last with 5 tokens
         let rows: Vec<f32> = (0..vocab * hidden).map(|i| i as f32 + 1.0).collect();
-        let dims = EmbedLayout::Panels.dims(vocab, hidden);
-        assert_eq!(dims, [3, hidden, EMBED_PANEL_LANES]);
+        let dims = WeightLayout::Panels.dims(vocab, hidden);
+        assert_eq!(dims, [3, hidden, PANEL_LANES]);
         let mut out = vec![f32::NAN; dims.iter().product()];
         pack_panels(&rows, hidden, &mut out);
         for p in 0..3 {
             for k in 0..hidden {
-                for j in 0..EMBED_PANEL_LANES {
-                    let token = p * EMBED_PANEL_LANES + j;
+                for j in 0..PANEL_LANES {
+                    let token = p * PANEL_LANES + j;
                     let want = if token < vocab {
                         rows[token * hidden + k]
                     } else {
                         0.0
                     };
-                    let got = out[(p * hidden + k) * EMBED_PANEL_LANES + j];
+                    let got = out[(p * hidden + k) * PANEL_LANES + j];
                     assert_eq!(got, want, "panel {p} feature {k} lane {j}");
                 }
             }
         }
-        assert_eq!(EmbedLayout::Rows.dims(vocab, hidden), [vocab, hidden]);
+        assert_eq!(WeightLayout::Rows.dims(vocab, hidden), [vocab, hidden]);
     }
 }

@@ -16,7 +16,7 @@
 //! - `emb` rows are raw embedding rows; the graph multiplies them by `sqrt(hidden)` (rounded to
 //!   f32), as it does the gathered rows of `ids`.
 //! - Weights in [`weight_specs`] order: `model.embed_tokens.weight` (in the module's
-//!   [`EmbedLayout`]), 13 per layer ([`LAYER_WEIGHTS`]), `model.norm.weight`.
+//!   [`WeightLayout`]), 13 per layer ([`LAYER_WEIGHTS`]), `model.norm.weight`.
 //! - KV in [`kv_specs`] order (K then V per layer, then the `sliding.positions` table): global
 //!   layers `[capacity, kv_heads, head_dim]` (position `p` in row `p`); sliding layers
 //!   `[ring.rows, kv_heads, head_dim]` with the chunk written at row `pos0 % ring.modulus`
@@ -43,9 +43,9 @@ use kvsnap_contract::ModelConfig;
 use crate::emit::{FuncBuilder, Module, TensorType, Value};
 use forward::{Forward, LayerWeights};
 pub use manifest::{
-    kv_layouts, kv_specs, pack_panels, weight_specs, DType, EmbedLayout, EntryPoint, KvLayout,
-    Manifest, RingGeometry, Role, TensorSpec, EMBED_PANEL_LANES, LAYER_WEIGHTS, MANIFEST_FORMAT,
-    MANIFEST_VERSION, SLIDING_POSITIONS,
+    kv_layouts, kv_specs, pack_panels, weight_specs, DType, EntryPoint, KvLayout, Manifest,
+    RingGeometry, Role, TensorSpec, WeightLayout, LAYER_WEIGHTS, MANIFEST_FORMAT, MANIFEST_VERSION,
+    PANEL_LANES, SLIDING_POSITIONS,
 };
 pub use tuning::llvm_cpu_tuning_spec;
 
@@ -84,7 +84,7 @@ pub fn entry_name(input: Input, chunk: usize) -> String {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct GraphOptions {
     /// Layout of the embedding table argument.
-    pub embed: EmbedLayout,
+    pub layout: WeightLayout,
     /// Skip work with `stablehlo.if`: the head where the `head` argument is 0, and global
     /// attention beyond the live span (`Forward::attend_live`). Without branches the head
     /// always runs (`head` is ignored) and global layers attend over the whole capacity. Each
@@ -97,7 +97,7 @@ impl GraphOptions {
     /// What llvm-cpu runs best: the panel table and branches.
     pub fn llvm_cpu() -> Self {
         GraphOptions {
-            embed: EmbedLayout::Panels,
+            layout: WeightLayout::Panels,
             branches: true,
         }
     }
@@ -105,7 +105,7 @@ impl GraphOptions {
     /// What Vulkan runs best: the HF table, no branches.
     pub fn vulkan() -> Self {
         GraphOptions {
-            embed: EmbedLayout::Rows,
+            layout: WeightLayout::Rows,
             branches: false,
         }
     }
@@ -119,7 +119,7 @@ pub struct Graphs {
     /// Its entry points, argument and result order.
     pub manifest: Manifest,
     /// The IREE tuning spec to compile it with, if any ([`llvm_cpu_tuning_spec`]: graphs with
-    /// [`EmbedLayout::Panels`] are meant for llvm-cpu).
+    /// [`WeightLayout::Panels`] are meant for llvm-cpu).
     pub tuning_spec: Option<String>,
 }
 
@@ -153,14 +153,14 @@ pub fn build(cfg: &ModelConfig, chunks: &[usize], opts: GraphOptions) -> Graphs 
     }
     Graphs {
         mlir: module.text(),
-        tuning_spec: llvm_cpu_tuning_spec(cfg, opts.embed),
+        tuning_spec: llvm_cpu_tuning_spec(cfg, opts.layout),
         manifest: Manifest {
             format: MANIFEST_FORMAT.to_string(),
             version: MANIFEST_VERSION,
             chunks,
             kv_layouts: kv_layouts(cfg),
             ring,
-            embed_layout: opts.embed,
+            weight_layout: opts.layout,
             capacity: cfg.context_capacity,
             entry_points,
         },
@@ -218,7 +218,7 @@ fn entry_point(
         spec("valid", Role::Valid, &[], DType::I32),
         spec("head", Role::Head, &[], DType::I32),
     ];
-    args.extend(weight_specs(cfg, opts.embed));
+    args.extend(weight_specs(cfg, opts.layout));
     let kv = kv_specs(cfg, ring);
     args.extend(kv.iter().cloned());
     let mut results = vec![
