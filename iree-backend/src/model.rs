@@ -24,8 +24,7 @@ pub use crate::kv::IreeKv;
 use crate::kv::KvPool;
 use crate::resident::{self, Lease};
 use crate::runtime::{
-    as_bytes, BufferView, Device, DeviceKind, ElementType, ImportMode, ImportStats,
-    HOST_IMPORT_ALIGNMENT,
+    as_bytes, AlignedBytes, BufferView, Device, DeviceKind, ElementType, ImportMode, ImportStats,
 };
 
 /// How to load an [`IreeModel`].
@@ -123,34 +122,6 @@ impl AsRef<[u8]> for TensorBytes {
     }
 }
 
-/// Host f32 storage whose data starts on a [`HOST_IMPORT_ALIGNMENT`] boundary, so that the CPU
-/// device imports it without a copy (a large `Vec` from malloc starts 16 bytes into a page).
-struct AlignedF32 {
-    buf: Vec<f32>,
-    start: usize,
-    len: usize,
-}
-
-impl AlignedF32 {
-    /// `len` zeros (pages are mapped lazily, as `vec!` of zeros allocates them).
-    fn zeroed(len: usize) -> Self {
-        let pad = HOST_IMPORT_ALIGNMENT / std::mem::size_of::<f32>();
-        let buf = vec![0.0f32; len + pad];
-        let start = buf.as_ptr().align_offset(HOST_IMPORT_ALIGNMENT);
-        AlignedF32 { buf, start, len }
-    }
-
-    fn as_mut_slice(&mut self) -> &mut [f32] {
-        &mut self.buf[self.start..self.start + self.len]
-    }
-}
-
-impl AsRef<[u8]> for AlignedF32 {
-    fn as_ref(&self) -> &[u8] {
-        as_bytes(&self.buf[self.start..self.start + self.len])
-    }
-}
-
 /// Imports one weight of the manifest onto `device` (`hf`: its spec in the HF layout):
 /// zero-copy from the memory-mapped file where the device allows it; a matrix in
 /// [`WeightLayout::Panels`] from a packed copy, after which the file's pages of it are
@@ -164,12 +135,20 @@ fn import_weight(
     let t = file.tensor(&spec.name, &hf.dims)?;
     if spec.dims != hf.dims {
         let cols = hf.dims[1];
-        let mut panels = AlignedF32::zeroed(spec.dims.iter().product());
+        let elems = spec.dims.iter().product::<usize>();
+        let mut panels =
+            AlignedBytes::zeroed(elems * std::mem::size_of::<f32>()).ok_or_else(|| {
+                Error::Backend {
+                    backend: device.backend(),
+                    op: format!("pack {} into panels", spec.name),
+                    status: format!("out of host memory for {} bytes", elems * 4),
+                }
+            })?;
         // Packed a slice of rows at a time, each slice's file pages released once packed, so
         // that the load's RSS holds the packed matrix plus one slice, not two copies.
         let rows_per_slice = PACK_SLICE_PANELS * PANEL_LANES;
         for (i, out) in panels
-            .as_mut_slice()
+            .as_mut_f32()
             .chunks_mut(PACK_SLICE_PANELS * PANEL_LANES * cols)
             .enumerate()
         {

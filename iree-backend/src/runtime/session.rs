@@ -6,53 +6,11 @@ use std::path::Path;
 
 use kvsnap_contract::{Error, Result};
 
+use super::aligned::AlignedBytes;
 use super::buffer::BufferView;
 use super::device::Device;
 use super::ffi::{self, sys};
 use super::status::{backend_error, check, consume_to_string};
-
-/// The alignment IREE wants for a vmfb in memory (its archive segments are 64-byte aligned).
-const VMFB_ALIGNMENT: usize = 64;
-
-/// Owned, 64-byte aligned copy of a vmfb: the bytecode module references it for its lifetime.
-struct AlignedBytes {
-    ptr: *mut u8,
-    len: usize,
-}
-
-impl AlignedBytes {
-    fn copy_of(bytes: &[u8]) -> Option<Self> {
-        let layout =
-            std::alloc::Layout::from_size_align(bytes.len().max(1), VMFB_ALIGNMENT).ok()?;
-        // SAFETY: the layout has a non-zero size.
-        let ptr = unsafe { std::alloc::alloc(layout) };
-        if ptr.is_null() {
-            return None;
-        }
-        // SAFETY: `ptr` has room for `bytes.len()` bytes and does not overlap `bytes`.
-        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), ptr, bytes.len()) };
-        Some(AlignedBytes {
-            ptr,
-            len: bytes.len(),
-        })
-    }
-
-    fn span(&self) -> sys::iree_const_byte_span_t {
-        sys::iree_const_byte_span_t {
-            data: self.ptr,
-            data_length: self.len,
-        }
-    }
-}
-
-impl Drop for AlignedBytes {
-    fn drop(&mut self) {
-        let layout = std::alloc::Layout::from_size_align(self.len.max(1), VMFB_ALIGNMENT)
-            .expect("layout was valid at allocation");
-        // SAFETY: allocated in `copy_of` with this layout.
-        unsafe { std::alloc::dealloc(self.ptr, layout) };
-    }
-}
 
 /// A loaded module ready to call.
 ///
@@ -129,7 +87,10 @@ impl Session {
             sys::iree_vm_bytecode_module_create(
                 vm,
                 sys::iree_vm_bytecode_module_flags_e_IREE_VM_BYTECODE_MODULE_FLAG_NONE as _,
-                vmfb.span(),
+                sys::iree_const_byte_span_t {
+                    data: vmfb.as_ref().as_ptr(),
+                    data_length: vmfb.as_ref().len(),
+                },
                 ffi::null_allocator(),
                 alloc,
                 &mut guard.module,
