@@ -67,7 +67,7 @@ fn bench_matvec(c: &mut Criterion) {
 fn bench_matmul(c: &mut Criterion) {
     let mut g = c.benchmark_group("matmul");
     g.sample_size(20);
-    for n in [22usize, 860] {
+    for n in [22usize, 64, 860] {
         for (name, i, o) in PROJECTIONS {
             let w = values(o * i, 1);
             let x = values(n * i, 2);
