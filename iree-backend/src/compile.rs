@@ -27,6 +27,13 @@ pub const REQUIRED_VERSION_PREFIX: &str = "3.13.";
 const STDERR_TAIL_BYTES: usize = 6000;
 /// How often a running compile reports its elapsed time.
 const PROGRESS_INTERVAL: Duration = Duration::from_secs(10);
+/// How long the compiler's processes may go without using any CPU before the compile counts as
+/// hung (see [`CompileProgress::Restarted`]); a working compile never idles that long.
+const STALL_LIMIT: Duration = Duration::from_secs(120);
+/// How often a running compile's CPU time is read.
+const CPU_CHECK_INTERVAL: Duration = Duration::from_secs(1);
+/// How many times a hung compile is started again before the compile fails.
+const STALL_RESTARTS: usize = 1;
 
 /// What the compiled module runs on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -94,6 +101,15 @@ pub enum CompileProgress {
         /// The target being compiled for.
         target: Target,
     },
+    /// The compiler's processes used no CPU for the stall limit (two minutes unless
+    /// [`Compiler::with_stall_limit`]) and were killed; the compile starts again. IREE 3.13's `iree-compile` deadlocked that way (every thread waiting on a
+    /// futex) once in a few dozen compiles of modules that compile in 30 s on a retry.
+    Restarted {
+        /// How long the killed attempt ran.
+        elapsed: Duration,
+        /// The target being compiled for.
+        target: Target,
+    },
     /// The compiler finished successfully and the vmfb is in the cache.
     Finished {
         /// Wall time of the compile.
@@ -121,6 +137,13 @@ impl std::fmt::Display for CompileProgress {
                 target.name(),
                 elapsed.as_secs_f64()
             ),
+            CompileProgress::Restarted { elapsed, target } => write!(
+                f,
+                "  ... iree-compile for {} stopped using CPU (hung after {:.0} s): killed, \
+                 compiling again",
+                target.name(),
+                elapsed.as_secs_f64()
+            ),
             CompileProgress::Finished {
                 elapsed,
                 vmfb_bytes,
@@ -134,6 +157,49 @@ impl std::fmt::Display for CompileProgress {
             ),
         }
     }
+}
+
+/// How one run of the compiler ended.
+enum Run {
+    /// It exited (successfully or not), with its stderr.
+    Exited(std::process::ExitStatus, Vec<u8>),
+    /// Its processes used no CPU for the stall limit; they were killed.
+    Stalled,
+}
+
+/// The CPU time (clock ticks) used so far by the processes of process group `group`, from
+/// `/proc` (the compiler may be a Python entry point that starts the real binary); `None` where
+/// `/proc` is missing.
+fn group_cpu_ticks(group: u32) -> Option<u64> {
+    let mut total = 0;
+    for entry in std::fs::read_dir("/proc").ok()?.flatten() {
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+            continue;
+        };
+        // `pid (comm) state ppid pgrp session tty tpgid flags minflt cminflt majflt cmajflt
+        // utime stime ...`; `comm` may hold spaces, so split after its closing parenthesis.
+        let Some(after) = stat.rfind(')').map(|i| &stat[i + 1..]) else {
+            continue;
+        };
+        let fields: Vec<&str> = after.split_whitespace().collect();
+        if fields.get(2).and_then(|g| g.parse::<u32>().ok()) != Some(group) {
+            continue;
+        }
+        let ticks = |i: usize| fields.get(i).and_then(|t| t.parse::<u64>().ok());
+        total += ticks(11).unwrap_or(0) + ticks(12).unwrap_or(0);
+    }
+    Some(total)
+}
+
+/// Kills every process of process group `group` (the compiler and what it started).
+fn kill_group(group: u32) {
+    // `kill -KILL -- -GROUP`: std has no signal API beyond `Child::kill`, which would leave the
+    // real compiler running under a killed Python entry point.
+    let _ = Command::new("kill")
+        .args(["-KILL", "--", &format!("-{group}")])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status();
 }
 
 /// A compiled module: the vmfb bytes and where the cache keeps them.
@@ -156,6 +222,8 @@ pub struct Compiler {
     version: String,
     cache_dir: PathBuf,
     extra_flags: Vec<String>,
+    /// See [`Compiler::with_stall_limit`].
+    stall_limit: Duration,
 }
 
 fn tool_error(op: impl Into<String>, status: impl Into<String>) -> Error {
@@ -203,7 +271,15 @@ impl Compiler {
             version,
             cache_dir: default_cache_dir(),
             extra_flags: Vec::new(),
+            stall_limit: STALL_LIMIT,
         })
+    }
+
+    /// How long the compiler's processes may use no CPU before the compile counts as hung and
+    /// is started again (once; see [`CompileProgress::Restarted`]). Two minutes by default.
+    pub fn with_stall_limit(mut self, limit: Duration) -> Self {
+        self.stall_limit = limit;
+        self
     }
 
     /// Compiles into (and looks up in) `dir` instead of the default cache directory.
@@ -341,48 +417,32 @@ impl Compiler {
             target,
         });
         let start = Instant::now();
-        let mut child = Command::new(&self.exe)
-            .args(&flags)
-            .arg(&mlir_path)
-            .arg("-o")
-            .arg(&tmp_path)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .map_err(|e| tool_error(&op, format!("cannot run {}: {e}", self.exe.display())))?;
-
-        // Drain stderr on a thread so a chatty compiler never blocks on a full pipe.
-        let mut stderr_pipe = child.stderr.take();
-        let stderr_reader = std::thread::spawn(move || {
-            let mut buf = Vec::new();
-            if let Some(pipe) = stderr_pipe.as_mut() {
-                let _ = pipe.read_to_end(&mut buf);
-            }
-            buf
-        });
-        let mut last_report = Instant::now();
-        let exit = loop {
-            match child.try_wait() {
-                Ok(Some(exit)) => break exit,
-                Ok(None) => {
-                    if last_report.elapsed() >= PROGRESS_INTERVAL {
-                        last_report = Instant::now();
-                        progress(&CompileProgress::Running {
-                            elapsed: start.elapsed(),
-                            target,
-                        });
-                    }
-                    std::thread::sleep(Duration::from_millis(20));
+        let mut restarts = 0;
+        let (exit, stderr) = loop {
+            let attempt = Instant::now();
+            match self.run(&flags, &mlir_path, &tmp_path, &op, target, progress)? {
+                Run::Exited(exit, stderr) => break (exit, stderr),
+                Run::Stalled if restarts < STALL_RESTARTS => {
+                    restarts += 1;
+                    progress(&CompileProgress::Restarted {
+                        elapsed: attempt.elapsed(),
+                        target,
+                    });
                 }
-                Err(e) => {
-                    let _ = child.kill();
-                    let _ = child.wait();
-                    return Err(tool_error(&op, format!("waiting for iree-compile: {e}")));
+                Run::Stalled => {
+                    return Err(tool_error(
+                        op,
+                        format!(
+                            "iree-compile used no CPU for {} s, {} times in a row (hung); input \
+                             kept at {}",
+                            self.stall_limit.as_secs_f64(),
+                            restarts + 1,
+                            mlir_path.display()
+                        ),
+                    ))
                 }
             }
         };
-        let stderr = stderr_reader.join().unwrap_or_default();
         let elapsed = start.elapsed();
 
         if !exit.success() {
@@ -418,6 +478,88 @@ impl Compiler {
             cache_hit: false,
             key,
         })
+    }
+
+    /// Runs the compiler once on `mlir_path` into `tmp_path`, reporting progress, in a process
+    /// group of its own; kills the group if it uses no CPU for the stall limit (checked where
+    /// `/proc` exists).
+    fn run(
+        &self,
+        flags: &[String],
+        mlir_path: &Path,
+        tmp_path: &Path,
+        op: &str,
+        target: Target,
+        progress: &mut dyn FnMut(&CompileProgress),
+    ) -> Result<Run> {
+        use std::os::unix::process::CommandExt;
+
+        let start = Instant::now();
+        let mut child = Command::new(&self.exe)
+            .args(flags)
+            .arg(mlir_path)
+            .arg("-o")
+            .arg(tmp_path)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .process_group(0)
+            .spawn()
+            .map_err(|e| tool_error(op, format!("cannot run {}: {e}", self.exe.display())))?;
+        let group = child.id();
+
+        // Drain stderr on a thread so a chatty compiler never blocks on a full pipe.
+        let mut stderr_pipe = child.stderr.take();
+        let stderr_reader = std::thread::spawn(move || {
+            let mut buf = Vec::new();
+            if let Some(pipe) = stderr_pipe.as_mut() {
+                let _ = pipe.read_to_end(&mut buf);
+            }
+            buf
+        });
+        let mut last_report = Instant::now();
+        let mut cpu = (group_cpu_ticks(group), Instant::now());
+        let mut last_cpu_check = Instant::now();
+        loop {
+            match child.try_wait() {
+                Ok(Some(exit)) => {
+                    let stderr = stderr_reader.join().unwrap_or_default();
+                    return Ok(Run::Exited(exit, stderr));
+                }
+                Ok(None) => {
+                    if last_report.elapsed() >= PROGRESS_INTERVAL {
+                        last_report = Instant::now();
+                        progress(&CompileProgress::Running {
+                            elapsed: start.elapsed(),
+                            target,
+                        });
+                    }
+                    if last_cpu_check.elapsed() >= CPU_CHECK_INTERVAL {
+                        last_cpu_check = Instant::now();
+                        let now = group_cpu_ticks(group);
+                        if now.is_none() || now != cpu.0 {
+                            cpu = (now, Instant::now());
+                        } else if cpu.1.elapsed() >= self.stall_limit {
+                            kill_group(group);
+                            let _ = child.kill();
+                            let _ = child.wait();
+                            // Not joined: a process that escaped the group would hold the
+                            // pipe open; the reader ends whenever the pipe closes.
+                            drop(stderr_reader);
+                            let _ = std::fs::remove_file(tmp_path);
+                            return Ok(Run::Stalled);
+                        }
+                    }
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                Err(e) => {
+                    kill_group(group);
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    return Err(tool_error(op, format!("waiting for iree-compile: {e}")));
+                }
+            }
+        }
     }
 
     /// Compiles `mlir` and writes the vmfb to `out` as well (for `iree-run-module` and exports).

@@ -687,3 +687,80 @@ fn compile_errors_carry_the_compiler_text_and_versions_are_checked() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A fake `iree-compile` 3.13 that hangs without using CPU on its first `hangs` runs (a child
+/// `sleep`, as the real compiler's threads all waiting on futexes) and then writes a vmfb.
+#[cfg(target_os = "linux")]
+fn hanging_compiler(dir: &std::path::Path, hangs: usize) -> std::path::PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let script = dir.join(format!("iree-compile-hangs-{hangs}"));
+    let runs = dir.join(format!("runs-{hangs}"));
+    std::fs::write(
+        &script,
+        format!(
+            "#!/bin/sh\n\
+             case \"$1\" in --version) echo 'IREE (https://iree.dev):'; \
+             echo '  IREE compiler version 3.13.0 @ fake'; exit 0;; esac\n\
+             out=''; prev=''\n\
+             for a in \"$@\"; do [ \"$prev\" = -o ] && out=\"$a\"; prev=\"$a\"; done\n\
+             echo run >> '{runs}'\n\
+             if [ \"$(wc -l < '{runs}')\" -le {hangs} ]; then sleep 600; fi\n\
+             printf fake-vmfb > \"$out\"\n",
+            runs = runs.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+    script
+}
+
+#[cfg(target_os = "linux")]
+#[test]
+fn a_compiler_that_stops_using_cpu_is_killed_and_started_again_once() {
+    let dir = std::env::temp_dir().join(format!("kvsnap-stall-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let limit = std::time::Duration::from_secs(2);
+    // Retried: another test thread forking while a script was open for writing can make the
+    // first exec fail with "Text file busy".
+    let with = |hangs: usize| {
+        let exe = hanging_compiler(&dir, hangs);
+        (0..5)
+            .find_map(|_| Compiler::with_executable(&exe).ok())
+            .expect("the fake compiler reports 3.13")
+            .with_cache_dir(dir.join(format!("cache-{hangs}")))
+            .with_stall_limit(limit)
+    };
+
+    // Hangs once: killed after the stall limit, started again, and the second run's vmfb kept.
+    let mut events = Vec::new();
+    let compiled = with(1)
+        .compile(ADD, Target::LlvmCpu, &mut |p| events.push(p.to_string()))
+        .unwrap();
+    assert_eq!(compiled.vmfb, b"fake-vmfb");
+    let restarts = events
+        .iter()
+        .filter(|e| e.contains("killed, compiling again"));
+    assert_eq!(restarts.count(), 1, "{events:?}");
+    // The hung run's `sleep` was killed with its group, not left behind.
+    let sleeping = std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter(|p| {
+            std::fs::read(p.path().join("cmdline")).ok() == Some(b"sleep\x00600\x00".to_vec())
+        })
+        .count();
+    assert_eq!(sleeping, 0, "a hung run's child survived");
+
+    // Hangs every time: a typed error that says so, after one restart.
+    let (op, status) = backend_text(
+        with(2)
+            .compile(ADD, Target::LlvmCpu, &mut |_| {})
+            .unwrap_err(),
+    );
+    assert!(op.contains("llvm-cpu"), "{op}");
+    assert!(
+        status.contains("used no CPU") && status.contains("2 times in a row"),
+        "{status}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}

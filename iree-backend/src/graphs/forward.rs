@@ -5,10 +5,9 @@
 //! the LEFT operand of `dot_general`, which IREE compiles without transposing the weight per
 //! call (see IREE-NOTES), followed by a transpose of the small `[out, C]` result; with panels,
 //! a reduction over the panels (one row) or a `linalg.mmt4d` (a chunk). Keeping features
-//! innermost also keeps every reduction (norms,
-//! softmax) over the innermost dim: IREE 3.13's SPIR-V code for a reduction over an outer dim
-//! fused with its broadcast consumer returned garbage for all but the first 8 columns on
-//! lavapipe (an RMSNorm over dim 0 of `[64, 16]`).
+//! innermost also keeps every reduction (norms, softmax) over the innermost dim: IREE 3.13's
+//! SPIR-V code for a reduction over an outer dim fused with its broadcast consumer returned
+//! garbage for all but the first 8 columns on lavapipe (an RMSNorm over dim 0 of `[64, 16]`).
 
 use kvsnap_contract::{LayerKind, ModelConfig};
 
