@@ -76,7 +76,7 @@ pub trait DynModel: Send + Sync {
 }
 
 /// A [`KvModel`] with a handle table of its KV states: the generic [`DynModel`], with an
-/// optional cap on the bytes of its live KV states (see the [module documentation](self)).
+/// optional cap on the bytes of its live KV states (see the module documentation in `dynamic.rs`).
 pub struct Session<M: KvModel> {
     model: Arc<M>,
     states: HandleTable<M::Kv>,

@@ -116,7 +116,7 @@ const END_SAMPLES: usize = 5;
 /// RSS growth over `cycles` runs of `cycle`, after `warm_up` runs that are not measured.
 ///
 /// RSS ([`leakable_rss_kib`]: anonymous and shared memory, not file-backed pages) is sampled
-/// [`SAMPLES`] times, evenly over the measured cycles, each after [`trim_heap`];
+/// 41 times (`SAMPLES`), evenly over the measured cycles, each after [`trim_heap`];
 /// the growth is the lowest sample of the last tenth minus the lowest of the first tenth. A leak
 /// raises every sample after it, so it shows in full over at least 80% of the cycles, while a
 /// transient peak (a driver thread's scratch memory, a deferred free) does not decide the result.
