@@ -102,8 +102,9 @@ pub enum CompileProgress {
         target: Target,
     },
     /// The compiler's processes used no CPU for the stall limit (two minutes unless
-    /// [`Compiler::with_stall_limit`]) and were killed; the compile starts again. IREE 3.13's `iree-compile` deadlocked that way (every thread waiting on a
-    /// futex) once in a few dozen compiles of modules that compile in 30 s on a retry.
+    /// [`Compiler::with_stall_limit`]) and were killed; the compile starts again. IREE 3.13's
+    /// `iree-compile` deadlocked that way once (every thread waiting on a futex, for 30
+    /// minutes) on a module that compiled in 27-46 s in six runs by hand.
     Restarted {
         /// How long the killed attempt ran.
         elapsed: Duration,

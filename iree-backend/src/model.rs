@@ -136,20 +136,18 @@ fn import_weight(
     if spec.dims != hf.dims {
         let cols = hf.dims[1];
         let elems = spec.dims.iter().product::<usize>();
-        let mut panels =
-            AlignedBytes::zeroed(elems * std::mem::size_of::<f32>()).ok_or_else(|| {
-                Error::Backend {
-                    backend: device.backend(),
-                    op: format!("pack {} into panels", spec.name),
-                    status: format!("out of host memory for {} bytes", elems * 4),
-                }
-            })?;
+        let bytes = elems * std::mem::size_of::<f32>();
+        let mut panels = AlignedBytes::zeroed(bytes).ok_or_else(|| Error::Backend {
+            backend: device.backend(),
+            op: format!("pack {} into panels", spec.name),
+            status: format!("out of host memory for {bytes} bytes"),
+        })?;
         // Packed a slice of rows at a time, each slice's file pages released once packed, so
         // that the load's RSS holds the packed matrix plus one slice, not two copies.
         let rows_per_slice = PACK_SLICE_PANELS * PANEL_LANES;
         for (i, out) in panels
             .as_mut_f32()
-            .chunks_mut(PACK_SLICE_PANELS * PANEL_LANES * cols)
+            .chunks_mut(rows_per_slice * cols)
             .enumerate()
         {
             let first = i * rows_per_slice;

@@ -109,7 +109,7 @@ pub(super) struct Chunk {
 pub(super) struct Forward<'a> {
     pub b: FuncBuilder,
     pub cfg: &'a ModelConfig,
-    /// The embedding table's layout and whether to branch.
+    /// The matrices' layout and whether to branch.
     pub opts: GraphOptions,
 }
 

@@ -1,6 +1,6 @@
 //! The Gemma 3 graphs: ONE StableHLO module with a chunk entry point per chunk size and input
-//! kind, all taking the same weights (HF names and layout, imported zero-copy) and the KV
-//! buffers, all computing what `kvsnap_reference` computes.
+//! kind, all taking the same weights (HF names; the matrices in the module's [`WeightLayout`])
+//! and the KV buffers, all computing what `kvsnap_reference` computes.
 //!
 //! # Entry points
 //! For each chunk size `C` in the module's chunk set:
@@ -15,8 +15,9 @@
 //!   padding and change nothing (`1 <= valid <= C`, `pos0 + C <= capacity`).
 //! - `emb` rows are raw embedding rows; the graph multiplies them by `sqrt(hidden)` (rounded to
 //!   f32), as it does the gathered rows of `ids`.
-//! - Weights in [`weight_specs`] order: `model.embed_tokens.weight` (in the module's
-//!   [`WeightLayout`]), 13 per layer ([`LAYER_WEIGHTS`]), `model.norm.weight`.
+//! - Weights in [`weight_specs`] order: `model.embed_tokens.weight`, 13 per layer
+//!   ([`LAYER_WEIGHTS`]), `model.norm.weight`; the matrices in the module's [`WeightLayout`],
+//!   the norms as in `model.safetensors`.
 //! - KV in [`kv_specs`] order (K then V per layer, then the `sliding.positions` table): global
 //!   layers `[capacity, kv_heads, head_dim]` (position `p` in row `p`); sliding layers
 //!   `[ring.rows, kv_heads, head_dim]` with the chunk written at row `pos0 % ring.modulus`
@@ -83,7 +84,7 @@ pub fn entry_name(input: Input, chunk: usize) -> String {
 /// The target-dependent choices of a module.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct GraphOptions {
-    /// Layout of the embedding table argument.
+    /// Layout of the matrix arguments (the embedding table and the projections).
     pub layout: WeightLayout,
     /// Skip work with `stablehlo.if`: the head where the `head` argument is 0, and global
     /// attention beyond the live span (`Forward::attend_live`). Without branches the head
@@ -94,7 +95,7 @@ pub struct GraphOptions {
 }
 
 impl GraphOptions {
-    /// What llvm-cpu runs best: the panel table and branches.
+    /// What llvm-cpu runs best: panel matrices and branches.
     pub fn llvm_cpu() -> Self {
         GraphOptions {
             layout: WeightLayout::Panels,
@@ -102,7 +103,7 @@ impl GraphOptions {
         }
     }
 
-    /// What Vulkan runs best: the HF table, no branches.
+    /// What Vulkan runs best: HF matrices, no branches.
     pub fn vulkan() -> Self {
         GraphOptions {
             layout: WeightLayout::Rows,
