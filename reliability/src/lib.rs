@@ -19,17 +19,17 @@ use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 static EXCLUSIVE: RwLock<()> = RwLock::new(());
 
 /// Held by ordinary rows: they may run in parallel with each other. Like [`exclusive`], it first
-/// sets up the heap for the leak rows' RSS measurement ([`rss::use_one_heap_arena`]), so every
+/// sets up the process for the leak rows' RSS measurement ([`rss::prepare_process`]), so every
 /// test calls one of the two before it loads a model.
 pub fn shared() -> RwLockReadGuard<'static, ()> {
-    rss::use_one_heap_arena();
+    rss::prepare_process();
     EXCLUSIVE.read().unwrap_or_else(|p| p.into_inner())
 }
 
 /// Held by rows that must run alone in their process: RSS measurements, and fault injection
 /// (the hook is armed on the model every row shares).
 pub fn exclusive() -> RwLockWriteGuard<'static, ()> {
-    rss::use_one_heap_arena();
+    rss::prepare_process();
     EXCLUSIVE.write().unwrap_or_else(|p| p.into_inner())
 }
 

@@ -648,9 +648,13 @@ fn report_growth(what: &str, g: Option<rss::Growth>, rss_limit_kib: i64) {
         (Some((a, b)), Some(d)) => format!("heap in use {a} KiB -> {b} KiB ({d:+} KiB)"),
         _ => "heap in use not reported by this C library".to_string(),
     };
+    let huge = match g.huge_kib {
+        Some((a, b)) => format!("; in transparent huge pages {a} KiB -> {b} KiB"),
+        None => String::new(),
+    };
     let _ = writeln!(
         std::io::stderr(),
-        "{what}: anonymous + shared RSS {} KiB -> {} KiB ({:+} KiB over {} cycles; samples {:?} KiB); {heap}",
+        "{what}: anonymous + shared RSS {} KiB -> {} KiB ({:+} KiB over {} cycles; samples {:?} KiB); {heap}{huge}",
         g.before_kib,
         g.after_kib,
         g.kib(),

@@ -32,16 +32,44 @@ fn status_kib(status: &str, key: &str) -> Option<u64> {
         .ok()
 }
 
-/// Puts every thread's allocations in one glibc heap arena (`mallopt(M_ARENA_MAX, 1)`), once per
-/// process, before the first model starts its threads ([`crate::shared`] and
-/// [`crate::exclusive`] call it). With the default per-thread arenas, [`trim_heap`] cannot give
-/// back what the driver's threads freed: on lavapipe RSS then swings by +-3 MB between
-/// samples while the heap's bytes in use stay flat to a few KiB, which hides a 1 MiB leak in
-/// noise. With one arena the same open/close cycles hold RSS within about 40 KiB. Later threads
-/// share the arena; the allocator's behaviour is otherwise unchanged.
-pub fn use_one_heap_arena() {
+/// Sets up this process so that RSS counts what is in use, once per process, before the first
+/// model starts its threads ([`crate::shared`] and [`crate::exclusive`] call it):
+///
+/// - every thread's allocations go to one glibc heap arena (`mallopt(M_ARENA_MAX, 1)`). With the
+///   default per-thread arenas, [`trim_heap`] cannot give back what the driver's threads freed:
+///   on lavapipe RSS then swings by +-3 MB between samples while the heap's bytes in use stay
+///   flat to a few KiB, which hides a 1 MiB leak in noise. With one arena the same open/close
+///   cycles hold RSS within about 40 KiB. Later threads share the arena; the allocator's
+///   behaviour is otherwise unchanged.
+/// - transparent huge pages are off for the process (`prctl(PR_SET_THP_DISABLE)`). Where the
+///   kernel backs anonymous memory with 2 MiB pages (`always`, or `madvise` for the regions IREE's
+///   CPU slab provider advises), khugepaged collapses a partly resident range into one huge page
+///   whenever it gets to it, so RSS steps by up to 2 MiB at a moment no cycle chose (what a
+///   fresh-clone CI run looked like: RSS rose by 2,144 KiB within 50 open/close cycles, then
+///   held, with the heap's bytes in use flat, +4 KiB). Pages stay 4 KiB, each counted when
+///   touched.
+pub fn prepare_process() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
+        #[cfg(target_os = "linux")]
+        {
+            /// `PR_SET_THP_DISABLE` (linux/prctl.h).
+            const PR_SET_THP_DISABLE: std::ffi::c_int = 41;
+            extern "C" {
+                fn prctl(option: std::ffi::c_int, ...) -> std::ffi::c_int;
+            }
+            // SAFETY: PR_SET_THP_DISABLE takes four unsigned long arguments and only sets a flag
+            // of this process; an old kernel answers EINVAL, which leaves huge pages as they were.
+            unsafe {
+                prctl(
+                    PR_SET_THP_DISABLE,
+                    1 as std::ffi::c_ulong,
+                    0 as std::ffi::c_ulong,
+                    0 as std::ffi::c_ulong,
+                    0 as std::ffi::c_ulong,
+                )
+            };
+        }
         #[cfg(all(target_os = "linux", target_env = "gnu"))]
         {
             /// glibc's `M_ARENA_MAX` (malloc.h).
@@ -53,6 +81,41 @@ pub fn use_one_heap_arena() {
             unsafe { mallopt(M_ARENA_MAX, 1) };
         }
     });
+}
+
+/// Whether transparent huge pages are off for this process (`prctl(PR_GET_THP_DISABLE)`);
+/// `None` where the kernel does not say.
+pub fn huge_pages_disabled() -> Option<bool> {
+    #[cfg(target_os = "linux")]
+    {
+        /// `PR_GET_THP_DISABLE` (linux/prctl.h).
+        const PR_GET_THP_DISABLE: std::ffi::c_int = 42;
+        extern "C" {
+            fn prctl(option: std::ffi::c_int, ...) -> std::ffi::c_int;
+        }
+        // SAFETY: PR_GET_THP_DISABLE reads a flag of this process; the unused arguments are 0.
+        let r = unsafe {
+            prctl(
+                PR_GET_THP_DISABLE,
+                0 as std::ffi::c_ulong,
+                0 as std::ffi::c_ulong,
+                0 as std::ffi::c_ulong,
+                0 as std::ffi::c_ulong,
+            )
+        };
+        (r >= 0).then_some(r == 1)
+    }
+    #[cfg(not(target_os = "linux"))]
+    None
+}
+
+/// Anonymous memory backed by transparent huge pages, in KiB (`AnonHugePages` of
+/// `/proc/self/smaps_rollup`); `None` where the kernel does not report it.
+pub fn anon_huge_kib() -> Option<u64> {
+    status_kib(
+        &std::fs::read_to_string("/proc/self/smaps_rollup").ok()?,
+        "AnonHugePages",
+    )
 }
 
 /// Returns the C heap's free memory to the system where the allocator keeps it (glibc's
@@ -102,10 +165,20 @@ pub fn heap_in_use_kib() -> Option<u64> {
     None
 }
 
-/// One sample: RSS after [`trim_heap`], and the heap's bytes in use.
-fn sample() -> Option<(u64, Option<u64>)> {
+/// One sample after [`trim_heap`]: RSS, the heap's bytes in use and the huge pages.
+struct Sample {
+    rss_kib: u64,
+    heap_kib: Option<u64>,
+    huge_kib: Option<u64>,
+}
+
+fn sample() -> Option<Sample> {
     trim_heap();
-    Some((leakable_rss_kib()?, heap_in_use_kib()))
+    Some(Sample {
+        rss_kib: leakable_rss_kib()?,
+        heap_kib: heap_in_use_kib(),
+        huge_kib: anon_huge_kib(),
+    })
 }
 
 /// Samples of RSS taken over the measured cycles.
@@ -133,6 +206,9 @@ pub struct Growth {
     /// The C heap's bytes in use at the first and the last sample (KiB; see [`heap_in_use_kib`]),
     /// where the C library reports them.
     pub heap_kib: Option<(u64, u64)>,
+    /// Anonymous memory in transparent huge pages at the first and the last sample (KiB; see
+    /// [`anon_huge_kib`]): zero after [`prepare_process`] on kernels that honour it.
+    pub huge_kib: Option<(u64, u64)>,
 }
 
 impl Growth {
@@ -154,9 +230,10 @@ pub fn measure(warm_up: usize, cycles: usize, mut cycle: impl FnMut(usize)) -> O
         cycle(i);
     }
     // Sample k is taken after round(k * cycles / (SAMPLES - 1)) measured cycles.
-    let (first, heap_first) = sample()?;
-    let mut samples_kib = vec![first];
-    let mut heap_last = heap_first;
+    let first = sample()?;
+    let mut samples_kib = vec![first.rss_kib];
+    let mut last_heap = first.heap_kib;
+    let mut last_huge = first.huge_kib;
     let mut done = 0;
     for k in 1..SAMPLES {
         let until = (k * cycles + (SAMPLES - 1) / 2) / (SAMPLES - 1);
@@ -164,9 +241,9 @@ pub fn measure(warm_up: usize, cycles: usize, mut cycle: impl FnMut(usize)) -> O
             cycle(warm_up + done);
             done += 1;
         }
-        let (rss, heap) = sample()?;
-        samples_kib.push(rss);
-        heap_last = heap;
+        let s = sample()?;
+        samples_kib.push(s.rss_kib);
+        (last_heap, last_huge) = (s.heap_kib, s.huge_kib);
     }
     let lowest = |s: &[u64]| s.iter().copied().min().unwrap_or(0);
     Some(Growth {
@@ -174,7 +251,8 @@ pub fn measure(warm_up: usize, cycles: usize, mut cycle: impl FnMut(usize)) -> O
         after_kib: lowest(&samples_kib[SAMPLES - END_SAMPLES..]),
         cycles,
         samples_kib,
-        heap_kib: heap_first.zip(heap_last),
+        heap_kib: first.heap_kib.zip(last_heap),
+        huge_kib: first.huge_kib.zip(last_huge),
     })
 }
 
@@ -196,6 +274,17 @@ mod tests {
         );
         if let (Some(all), Some(leakable)) = (rss_kib(), leakable_rss_kib()) {
             assert!(leakable <= all, "{leakable} KiB of {all} KiB");
+        }
+    }
+
+    /// After the process is prepared, the kernel reports transparent huge pages off for it, so
+    /// no 2 MiB collapse can move the leak rows' RSS.
+    #[test]
+    fn prepared_process_has_no_transparent_huge_pages() {
+        prepare_process();
+        match huge_pages_disabled() {
+            Some(off) => assert!(off, "PR_GET_THP_DISABLE answers 0 after prepare_process"),
+            None => eprintln!("SKIPPED: the kernel does not answer PR_GET_THP_DISABLE"),
         }
     }
 
