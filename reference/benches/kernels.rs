@@ -1,7 +1,8 @@
 //! criterion micro-benchmarks of the reference kernels at Gemma 3 270M's shapes.
 //!
 //! - `matvec/*`: decode projections (one token) including the 640 -> 262144 head;
-//! - `matmul/*`: the same projections for a 22-token extend and an 860-token prefill;
+//! - `matmul/*`: the same projections for a 22-token extend and an 860-token prefill, and the
+//!   prefill by the `gemm` crate (`matmul/gemm_crate_*`) beside the AVX-512 blocked GEMM;
 //! - `attention/*`: one decode query and a 32-query chunk over 64, 512 and 1024 keys (4 query
 //!   heads sharing one KV head of 256);
 //! - `rms_norm/*`: one 640 row and an 860-row prefill;
@@ -20,7 +21,7 @@ use std::path::PathBuf;
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use kvsnap_contract::{KvModel, Logits, ModelConfig};
 use kvsnap_reference::attention::{attention, AttnShape};
-use kvsnap_reference::kernels::{matmul, matvec, rms_norm};
+use kvsnap_reference::kernels::{matmul, matmul_gemm_crate, matvec, rms_norm, FEW_ROWS};
 use kvsnap_reference::kv::KvSegment;
 use kvsnap_reference::tiny::{config_json, random_weights, Preset};
 use kvsnap_reference::{write_safetensors, ReferenceModel};
@@ -76,6 +77,13 @@ fn bench_matmul(c: &mut Criterion) {
             g.bench_with_input(BenchmarkId::new(name, n), &n, |b, &n| {
                 b.iter(|| matmul(black_box(&mut out), &x, &w, n, i, o))
             });
+            if n > FEW_ROWS {
+                // The `gemm` crate on the same prefill: what the blocked AVX-512 GEMM replaced.
+                let id = BenchmarkId::new(format!("gemm_crate_{name}"), n);
+                g.bench_with_input(id, &n, |b, &n| {
+                    b.iter(|| matmul_gemm_crate(black_box(&mut out), &x, &w, n, i, o))
+                });
+            }
         }
     }
     g.finish();

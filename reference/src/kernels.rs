@@ -3,9 +3,14 @@
 
 use rayon::prelude::*;
 
+#[cfg(target_arch = "x86_64")]
+mod blocked;
+
 /// `out[n, o] = x[n, i] . w[o, i]^T`: a batch of rows times an HF `[out, in]` weight.
 ///
-/// Blocked SIMD GEMM from the `gemm` crate, parallel over rayon's pool.
+/// One row is [`matvec`], up to [`FEW_ROWS`] rows [`matmul_few`]; more rows (a prefill) run a
+/// blocked GEMM with 12 x 32 AVX-512 register tiles where the CPU has AVX-512F (the private
+/// `blocked` module), otherwise the `gemm` crate's; both parallel over rayon's pool.
 ///
 /// # Shapes
 /// `out`: `[n, o]`, `x`: `[n, i]`, `w`: `[o, i]`.
@@ -22,6 +27,23 @@ pub fn matmul(out: &mut [f32], x: &[f32], w: &[f32], n: usize, i: usize, o: usiz
     if n <= FEW_ROWS {
         return matmul_few(out, x, w, n, i, o);
     }
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        // SAFETY: the CPU has AVX-512F; the lengths are asserted above.
+        return unsafe { blocked::matmul_avx512(out, x, w, n, i, o) };
+    }
+    matmul_gemm_crate(out, x, w, n, i, o)
+}
+
+/// [`matmul`] by the `gemm` crate (blocked SIMD GEMM, rayon): what [`matmul`] runs for a
+/// prefill where the CPU lacks AVX-512F, and the second SGEMM of `kvsnap bench limits`.
+///
+/// # Shapes
+/// `out`: `[n, o]`, `x`: `[n, i]`, `w`: `[o, i]`.
+pub fn matmul_gemm_crate(out: &mut [f32], x: &[f32], w: &[f32], n: usize, i: usize, o: usize) {
+    assert_eq!(out.len(), n * o, "matmul_gemm_crate: out");
+    assert_eq!(x.len(), n * i, "matmul_gemm_crate: x");
+    assert_eq!(w.len(), o * i, "matmul_gemm_crate: w");
     // SAFETY: the three buffers have the asserted lengths, and the strides below address
     // exactly `[n, o]`, `[n, i]` and the transpose of `[o, i]` (column stride `i`).
     unsafe {
@@ -49,11 +71,12 @@ pub fn matmul(out: &mut [f32], x: &[f32], w: &[f32], n: usize, i: usize, o: usiz
     }
 }
 
-/// Rows up to which [`matmul`] runs [`matmul_few`] rather than the blocked GEMM: an extend's
-/// utterance. The GEMM packs each weight per call; on the model's projections (criterion, a
-/// 2-core Xeon) it took 1.18 ms for 22 rows of `[2048, 640]` and 2.59 ms for 64, the
-/// weight-stationary tiles 0.63 and 1.31 ms; at 128 rows the two were even, at 860 the GEMM
-/// 15 % ahead.
+/// Rows up to which [`matmul`] runs [`matmul_few`] rather than a blocked GEMM: an extend's
+/// utterance. Against the `gemm` crate (which packs each weight per call) the tiles won clearly
+/// on the model's projections (criterion, a 2-core Xeon: 22 rows of `[2048, 640]` 1.18 -> 0.63
+/// ms, 64 rows 2.59 -> 1.31 ms). Against the AVX-512 blocked GEMM (`blocked`) a 22-row chunk
+/// is a draw: faster for q and gate/up, slower for k/v and down in cache, and the catalog's
+/// 22-token extend took 114-129 ms with either (docs/BENCHMARKS.md, seventh pass).
 pub const FEW_ROWS: usize = 64;
 
 /// `out[n, o] = x[n, i] . w[o, i]^T` for a few rows, weight-stationary like [`matvec`]: each
@@ -522,6 +545,10 @@ pub(crate) mod tests {
             (33, 256, 640),
             (1, 2048, 640),
             (5, 3, 1),
+            (FEW_ROWS + 1, 3, 5), // the blocked GEMM: one partial panel, a 5-row band
+            (97, 640, 1024),      // eight 12-row bands and a 1-row one, three depth blocks
+            (130, 2048, 40),      // a full and a partial column panel, eight depth blocks
+            (860, 640, 256),      // the prefill's band count
         ] {
             let x = values(n * i, 1);
             let w = values(o * i, 2);
@@ -529,6 +556,9 @@ pub(crate) mod tests {
             let mut slow = vec![0.0; n * o];
             matmul(&mut fast, &x, &w, n, i, o);
             matmul_naive(&mut slow, &x, &w, n, i, o);
+            let mut crate_gemm = vec![0.0; n * o];
+            matmul_gemm_crate(&mut crate_gemm, &x, &w, n, i, o);
+            assert!(max_diff(&crate_gemm, &slow) < i as f32 * 1.2e-7 * 4.0);
             // f32 accumulation over i terms of size <= 1: error bound ~ i * eps.
             let bound = i as f32 * 1.2e-7 * 4.0;
             assert!(

@@ -414,12 +414,15 @@ fn write_json(path: &Path, value: &Value) -> anyhow::Result<()> {
 
 fn print_limits(l: &Limits) {
     println!(
-        "limits ({} threads): read bandwidth {:.2} GB/s over {:.2} GiB; SGEMM {}^3 {:.1} GFLOP/s",
+        "limits ({} threads): read bandwidth {:.2} GB/s over {:.2} GiB; SGEMM {}^3 {:.1} GFLOP/s \
+         (the gemm crate {:.1}, the reference's matmul {:.1})",
         l.threads,
         l.read_bandwidth_bps / 1e9,
         l.buffer_bytes as f64 / (1u64 << 30) as f64,
         l.sgemm_n,
-        l.sgemm_flops / 1e9
+        l.sgemm_flops / 1e9,
+        l.sgemm_gemm_crate_flops / 1e9,
+        l.sgemm_reference_flops / 1e9
     );
 }
 

@@ -1,0 +1,197 @@
+//! The blocked GEMM behind [`super::matmul`] on AVX-512 CPUs: `out[n, o] = x[n, i] . w[o, i]^T`
+//! with 12 x 32 register tiles.
+//!
+//! `x` is first interleaved in bands of 12 rows (`[n / 12, i, 12]`, zero past the last row), so
+//! that a tile's broadcasts read one sequential stream (12 rows read where they lie are 12
+//! streams whose lines share L1 sets: with `i = 2048` all 12 fall in one set). The output's
+//! columns (the weight's rows) are split into panels of 32, one rayon task each: a task copies
+//! its panel's weights into a block laid out as the tile reads it (`[i, 32]`, cache-line
+//! aligned; 80 KiB at `i = 640`, in L2), then runs every band against it over the whole depth:
+//! per input position two 16-lane loads of the block and 12 broadcasts of the band, 24 FMAs into
+//! 24 accumulators, and one store of the finished tile. `out` is written in place, each task its
+//! own columns.
+//!
+//! The `gemm` crate this replaces ran AVX2 code on this target (its AVX-512 kernels need a
+//! nightly compiler): half the FMA width. Splitting the depth into L1-sized blocks (128-512
+//! positions) was measured too: reloading the output tile per block cost more than the block's
+//! reads from L2 (docs/BENCHMARKS.md, seventh pass).
+
+use rayon::prelude::*;
+use std::arch::x86_64::*;
+
+/// Rows of `x` in a register tile (and in a band).
+const MR: usize = 12;
+/// Output columns in a register tile: two 16-lane vectors.
+const NR: usize = 32;
+/// Floats in a cache line: the slack that lets a block start on one.
+const LINE: usize = 16;
+
+/// `out` as a pointer the column tasks share: each writes only its own columns.
+#[derive(Clone, Copy)]
+struct Out(*mut f32);
+// SAFETY: tasks write disjoint columns of `out` (see `matmul_avx512`), and `out` outlives them.
+unsafe impl Send for Out {}
+// SAFETY: as above.
+unsafe impl Sync for Out {}
+
+/// `out[n, o] = x[n, i] . w[o, i]^T` (shapes checked by the caller).
+///
+/// # Safety
+/// The CPU must have AVX-512F; `out`, `x`, `w` hold `n * o`, `n * i`, `o * i` floats.
+pub(super) unsafe fn matmul_avx512(
+    out: &mut [f32],
+    x: &[f32],
+    w: &[f32],
+    n: usize,
+    i: usize,
+    o: usize,
+) {
+    let mut bands = vec![0.0f32; n.div_ceil(MR) * i * MR];
+    bands
+        .par_chunks_mut(i * MR)
+        .zip(x.par_chunks(i * MR))
+        // SAFETY: the CPU has AVX-512F; `rows` holds whole rows of `i` floats, at most `MR`.
+        .for_each(|(band, rows)| unsafe { interleave_avx512(band, rows, i) });
+    let dst = Out(out.as_mut_ptr());
+    (0..o.div_ceil(NR)).into_par_iter().for_each_init(
+        || vec![0.0f32; i * NR + LINE],
+        |block, panel| {
+            let cols = panel * NR..(panel * NR + NR).min(o);
+            // Unaligned, every 16-lane load of the block would span two cache lines.
+            let at = block.as_ptr().align_offset(64).min(LINE);
+            let block = &mut block[at..at + i * NR];
+            // SAFETY: the CPU has AVX-512F; `cols` are rows of `w` (`o * i` floats).
+            unsafe { pack_avx512(block, w, cols.clone(), i) };
+            // SAFETY: the CPU has AVX-512F (the caller's contract); this task alone writes the
+            // columns `cols` of `out`, which holds `n * o` floats.
+            unsafe { panel_avx512(dst, &bands, block, cols, n, i, o) };
+        },
+    );
+}
+
+/// Writes the rows of `x` in `rows` (at most [`MR`], each `i` long) into `band` as `[i, MR]`:
+/// one 12-lane gather per input position.
+///
+/// # Safety
+/// The CPU must have AVX-512F; `rows` holds whole rows of `i` floats, `band` `i * MR` floats.
+#[target_feature(enable = "avx512f")]
+unsafe fn interleave_avx512(band: &mut [f32], rows: &[f32], i: usize) {
+    let count = rows.len() / i;
+    let mask: __mmask16 = (1 << count) - 1;
+    let at = _mm512_mullo_epi32(lanes(), _mm512_set1_epi32(i as i32));
+    for (k, dst) in band.chunks_exact_mut(MR).enumerate() {
+        // SAFETY: lane `m < count` reads `rows[m * i + k]`; the store writes `dst[..count]`.
+        let v = _mm512_mask_i32gather_ps::<4>(_mm512_setzero_ps(), mask, at, rows.as_ptr().add(k));
+        _mm512_mask_storeu_ps(dst.as_mut_ptr(), mask, v);
+    }
+}
+
+/// Copies `w[cols, ..]` into `block` as `[i, NR]` (weight row `cols.start + j` at lane `j`),
+/// zero past the panel's last column: two 16-lane gathers per input position.
+///
+/// # Safety
+/// The CPU must have AVX-512F; `cols` are rows of `w` (each `i` long), `block` holds `i * NR`
+/// floats, and `NR * i` fits in an `i32`.
+#[target_feature(enable = "avx512f")]
+unsafe fn pack_avx512(block: &mut [f32], w: &[f32], cols: std::ops::Range<usize>, i: usize) {
+    let width = cols.len();
+    let mask = if width >= NR {
+        u32::MAX
+    } else {
+        (1u32 << width) - 1
+    };
+    let (lo, hi) = (mask as __mmask16, (mask >> 16) as __mmask16);
+    let at = _mm512_mullo_epi32(lanes(), _mm512_set1_epi32(i as i32));
+    // The second half may start past the end of `w` (a panel of at most 16 rows): its address
+    // is formed with wrapping arithmetic and never read (the mask is empty).
+    let base = w.as_ptr().add(cols.start * i);
+    let half = base.wrapping_add(16 * i);
+    for (k, dst) in block.chunks_exact_mut(NR).enumerate() {
+        // SAFETY: lane `j` of a gather reads `w[(cols.start + j) * i + k]` only where its mask
+        // bit is set, that is for rows in `cols`.
+        let a = _mm512_mask_i32gather_ps::<4>(_mm512_setzero_ps(), lo, at, base.add(k));
+        let b = _mm512_mask_i32gather_ps::<4>(_mm512_setzero_ps(), hi, at, half.wrapping_add(k));
+        _mm512_storeu_ps(dst.as_mut_ptr(), a);
+        _mm512_storeu_ps(dst.as_mut_ptr().add(16), b);
+    }
+}
+
+/// `[0, 1, ..., 15]` as 32-bit lanes.
+#[target_feature(enable = "avx512f")]
+fn lanes() -> __m512i {
+    _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0)
+}
+
+/// The output columns `cols` (at most [`NR`]) of every row: one tile per band.
+///
+/// # Safety
+/// The CPU must have AVX-512F; no other thread touches the columns `cols` of `out` (`n * o`
+/// floats); `bands` holds `x` as `[n / MR, i, MR]`, `block` the panel as `[i, NR]`.
+#[target_feature(enable = "avx512f")]
+unsafe fn panel_avx512(
+    out: Out,
+    bands: &[f32],
+    block: &[f32],
+    cols: std::ops::Range<usize>,
+    n: usize,
+    i: usize,
+    o: usize,
+) {
+    let width = cols.len();
+    let mask = if width >= NR {
+        u32::MAX
+    } else {
+        (1u32 << width) - 1
+    };
+    let mut r = 0;
+    while r < n {
+        let rows = MR.min(n - r);
+        // SAFETY: band `r / MR` starts at `r * i` of `bands`; the tile writes rows
+        // `r..r + rows`, columns `cols` of `out`.
+        let x = bands.as_ptr().add(r * i);
+        let c = out.0.add(r * o + cols.start);
+        macro_rules! tile {
+            ($($m:literal)*) => {
+                match rows {
+                    $($m => tile_avx512::<$m>(c, o, x, block.as_ptr(), i, mask),)*
+                    _ => unreachable!("rows is 1..=MR"),
+                }
+            };
+        }
+        tile!(1 2 3 4 5 6 7 8 9 10 11 12);
+        r += rows;
+    }
+}
+
+/// `R` rows of `out` at `c` (row stride `o`, the lanes of `mask`) = the first `R` rows of the
+/// band at `x` (`[i, MR]`) times the packed block (`[i, NR]`).
+///
+/// # Safety
+/// The CPU must have AVX-512F; `x` addresses `i * MR` floats, `block` `i * NR`, `c` `R` rows
+/// of the lanes set in `mask`.
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn tile_avx512<const R: usize>(
+    c: *mut f32,
+    o: usize,
+    x: *const f32,
+    block: *const f32,
+    i: usize,
+    mask: u32,
+) {
+    let mut acc = [[_mm512_setzero_ps(); 2]; R];
+    for k in 0..i {
+        let b0 = _mm512_loadu_ps(block.add(k * NR));
+        let b1 = _mm512_loadu_ps(block.add(k * NR + 16));
+        for (m, acc) in acc.iter_mut().enumerate() {
+            let a = _mm512_set1_ps(*x.add(k * MR + m));
+            acc[0] = _mm512_fmadd_ps(a, b0, acc[0]);
+            acc[1] = _mm512_fmadd_ps(a, b1, acc[1]);
+        }
+    }
+    let (lo, hi) = (mask as __mmask16, (mask >> 16) as __mmask16);
+    for (m, acc) in acc.iter().enumerate() {
+        _mm512_mask_storeu_ps(c.add(m * o), lo, acc[0]);
+        _mm512_mask_storeu_ps(c.add(m * o + 16), hi, acc[1]);
+    }
+}
