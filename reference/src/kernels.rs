@@ -28,8 +28,8 @@ pub fn matmul(out: &mut [f32], x: &[f32], w: &[f32], n: usize, i: usize, o: usiz
         return matmul_few(out, x, w, n, i, o);
     }
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx512f") {
-        // SAFETY: the CPU has AVX-512F; the lengths are asserted above.
+    if std::arch::is_x86_feature_detected!("avx512f") && i <= blocked::MAX_DEPTH {
+        // SAFETY: the CPU has AVX-512F, the lengths are asserted above, the depth checked.
         return unsafe { blocked::matmul_avx512(out, x, w, n, i, o) };
     }
     matmul_gemm_crate(out, x, w, n, i, o)

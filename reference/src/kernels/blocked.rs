@@ -25,6 +25,8 @@ const MR: usize = 12;
 const NR: usize = 32;
 /// Floats in a cache line: the slack that lets a block start on one.
 const LINE: usize = 16;
+/// Deepest input [`matmul_avx512`] takes: the gathers' 32-bit offsets reach `15 * i`.
+pub(super) const MAX_DEPTH: usize = i32::MAX as usize / 16;
 
 /// `out` as a pointer the column tasks share: each writes only its own columns.
 #[derive(Clone, Copy)]
@@ -37,7 +39,8 @@ unsafe impl Sync for Out {}
 /// `out[n, o] = x[n, i] . w[o, i]^T` (shapes checked by the caller).
 ///
 /// # Safety
-/// The CPU must have AVX-512F; `out`, `x`, `w` hold `n * o`, `n * i`, `o * i` floats.
+/// The CPU must have AVX-512F; `out`, `x`, `w` hold `n * o`, `n * i`, `o * i` floats, and
+/// `i <= MAX_DEPTH`.
 pub(super) unsafe fn matmul_avx512(
     out: &mut [f32],
     x: &[f32],
@@ -73,7 +76,8 @@ pub(super) unsafe fn matmul_avx512(
 /// one 12-lane gather per input position.
 ///
 /// # Safety
-/// The CPU must have AVX-512F; `rows` holds whole rows of `i` floats, `band` `i * MR` floats.
+/// The CPU must have AVX-512F; `rows` holds whole rows of `i` floats, `band` `i * MR` floats,
+/// and `i <= MAX_DEPTH`.
 #[target_feature(enable = "avx512f")]
 unsafe fn interleave_avx512(band: &mut [f32], rows: &[f32], i: usize) {
     let count = rows.len() / i;
@@ -91,7 +95,7 @@ unsafe fn interleave_avx512(band: &mut [f32], rows: &[f32], i: usize) {
 ///
 /// # Safety
 /// The CPU must have AVX-512F; `cols` are rows of `w` (each `i` long), `block` holds `i * NR`
-/// floats, and `NR * i` fits in an `i32`.
+/// floats, and `i <= MAX_DEPTH`.
 #[target_feature(enable = "avx512f")]
 unsafe fn pack_avx512(block: &mut [f32], w: &[f32], cols: std::ops::Range<usize>, i: usize) {
     let width = cols.len();
