@@ -201,7 +201,7 @@ const END_SAMPLES: usize = 5;
 /// RSS ([`leakable_rss_kib`]: anonymous and shared memory, not file-backed pages) is sampled
 /// 41 times (`SAMPLES`), evenly over the measured cycles, each after [`trim_heap`];
 /// the growth is the median sample of the last tenth minus the median of the first tenth
-/// ([`end_level`]). A leak raises every sample after it, so it shows in full over at least 80%
+/// (`end_level`). A leak raises every sample after it, so it shows in full over at least 80%
 /// of the cycles, while a transient peak (a driver thread's scratch memory, a deferred free) or
 /// dip (memory handed back for a moment) in up to two of an end's five samples does not decide
 /// the result.
