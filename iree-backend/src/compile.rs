@@ -192,8 +192,9 @@ fn group_cpu_ticks(group: u32) -> Option<u64> {
     Some(total)
 }
 
-/// Kills every process of process group `group` (the compiler and what it started).
-fn kill_group(group: u32) {
+/// Kills every process of process group `group` (the compiler and what it started), then
+/// `child`, the group's leader, and reaps it.
+fn kill_group(group: u32, child: &mut std::process::Child) {
     // `kill -KILL -- -GROUP`: std has no signal API beyond `Child::kill`, which would leave the
     // real compiler running under a killed Python entry point.
     let _ = Command::new("kill")
@@ -201,6 +202,8 @@ fn kill_group(group: u32) {
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .status();
+    let _ = child.kill();
+    let _ = child.wait();
 }
 
 /// A compiled module: the vmfb bytes and where the cache keeps them.
@@ -541,9 +544,7 @@ impl Compiler {
                         if now.is_none() || now != cpu.0 {
                             cpu = (now, Instant::now());
                         } else if cpu.1.elapsed() >= self.stall_limit {
-                            kill_group(group);
-                            let _ = child.kill();
-                            let _ = child.wait();
+                            kill_group(group, &mut child);
                             // Not joined: a process that escaped the group would hold the
                             // pipe open; the reader ends whenever the pipe closes.
                             drop(stderr_reader);
@@ -554,9 +555,7 @@ impl Compiler {
                     std::thread::sleep(Duration::from_millis(20));
                 }
                 Err(e) => {
-                    kill_group(group);
-                    let _ = child.kill();
-                    let _ = child.wait();
+                    kill_group(group, &mut child);
                     return Err(tool_error(op, format!("waiting for iree-compile: {e}")));
                 }
             }

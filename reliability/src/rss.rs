@@ -51,25 +51,9 @@ fn status_kib(status: &str, key: &str) -> Option<u64> {
 pub fn prepare_process() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
+        // An old kernel answers EINVAL, which leaves huge pages as they were.
         #[cfg(target_os = "linux")]
-        {
-            /// `PR_SET_THP_DISABLE` (linux/prctl.h).
-            const PR_SET_THP_DISABLE: std::ffi::c_int = 41;
-            extern "C" {
-                fn prctl(option: std::ffi::c_int, ...) -> std::ffi::c_int;
-            }
-            // SAFETY: PR_SET_THP_DISABLE takes four unsigned long arguments and only sets a flag
-            // of this process; an old kernel answers EINVAL, which leaves huge pages as they were.
-            unsafe {
-                prctl(
-                    PR_SET_THP_DISABLE,
-                    1 as std::ffi::c_ulong,
-                    0 as std::ffi::c_ulong,
-                    0 as std::ffi::c_ulong,
-                    0 as std::ffi::c_ulong,
-                )
-            };
-        }
+        prctl(PR_SET_THP_DISABLE, 1);
         #[cfg(all(target_os = "linux", target_env = "gnu"))]
         {
             /// glibc's `M_ARENA_MAX` (malloc.h).
@@ -88,25 +72,33 @@ pub fn prepare_process() {
 pub fn huge_pages_disabled() -> Option<bool> {
     #[cfg(target_os = "linux")]
     {
-        /// `PR_GET_THP_DISABLE` (linux/prctl.h).
-        const PR_GET_THP_DISABLE: std::ffi::c_int = 42;
-        extern "C" {
-            fn prctl(option: std::ffi::c_int, ...) -> std::ffi::c_int;
-        }
-        // SAFETY: PR_GET_THP_DISABLE reads a flag of this process; the unused arguments are 0.
-        let r = unsafe {
-            prctl(
-                PR_GET_THP_DISABLE,
-                0 as std::ffi::c_ulong,
-                0 as std::ffi::c_ulong,
-                0 as std::ffi::c_ulong,
-                0 as std::ffi::c_ulong,
-            )
-        };
+        let r = prctl(PR_GET_THP_DISABLE, 0);
         (r >= 0).then_some(r == 1)
     }
     #[cfg(not(target_os = "linux"))]
     None
+}
+
+/// `PR_SET_THP_DISABLE` (linux/prctl.h).
+#[cfg(target_os = "linux")]
+const PR_SET_THP_DISABLE: std::ffi::c_int = 41;
+/// `PR_GET_THP_DISABLE` (linux/prctl.h).
+#[cfg(target_os = "linux")]
+const PR_GET_THP_DISABLE: std::ffi::c_int = 42;
+
+/// `prctl(option, arg, 0, 0, 0)` for the two THP options above, which read or set a flag of
+/// this process and take four unsigned long arguments.
+#[cfg(target_os = "linux")]
+fn prctl(option: std::ffi::c_int, arg: std::ffi::c_ulong) -> std::ffi::c_int {
+    extern "C" {
+        #[link_name = "prctl"]
+        fn sys_prctl(option: std::ffi::c_int, ...) -> std::ffi::c_int;
+    }
+    debug_assert!(option == PR_SET_THP_DISABLE || option == PR_GET_THP_DISABLE);
+    let zero: std::ffi::c_ulong = 0;
+    // SAFETY: both THP options take four unsigned long arguments (the unused ones 0) and touch
+    // only a flag of this process.
+    unsafe { sys_prctl(option, arg, zero, zero, zero) }
 }
 
 /// Anonymous memory backed by transparent huge pages, in KiB (`AnonHugePages` of

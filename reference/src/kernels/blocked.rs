@@ -98,13 +98,7 @@ unsafe fn interleave_avx512(band: &mut [f32], rows: &[f32], i: usize) {
 /// floats, and `i <= MAX_DEPTH`.
 #[target_feature(enable = "avx512f")]
 unsafe fn pack_avx512(block: &mut [f32], w: &[f32], cols: std::ops::Range<usize>, i: usize) {
-    let width = cols.len();
-    let mask = if width >= NR {
-        u32::MAX
-    } else {
-        (1u32 << width) - 1
-    };
-    let (lo, hi) = (mask as __mmask16, (mask >> 16) as __mmask16);
+    let [lo, hi] = lane_masks(cols.len());
     let at = _mm512_mullo_epi32(lanes(), _mm512_set1_epi32(i as i32));
     // The second half may start past the end of `w` (a panel of at most 16 rows): its address
     // is formed with wrapping arithmetic and never read (the mask is empty).
@@ -118,6 +112,17 @@ unsafe fn pack_avx512(block: &mut [f32], w: &[f32], cols: std::ops::Range<usize>
         _mm512_storeu_ps(dst.as_mut_ptr(), a);
         _mm512_storeu_ps(dst.as_mut_ptr().add(16), b);
     }
+}
+
+/// The lanes of a panel `width` columns wide (at most [`NR`]), as the masks of its two 16-lane
+/// halves.
+fn lane_masks(width: usize) -> [__mmask16; 2] {
+    let bits = if width >= NR {
+        u32::MAX
+    } else {
+        (1u32 << width) - 1
+    };
+    [bits as __mmask16, (bits >> 16) as __mmask16]
 }
 
 /// `[0, 1, ..., 15]` as 32-bit lanes.
@@ -141,12 +146,7 @@ unsafe fn panel_avx512(
     i: usize,
     o: usize,
 ) {
-    let width = cols.len();
-    let mask = if width >= NR {
-        u32::MAX
-    } else {
-        (1u32 << width) - 1
-    };
+    let masks = lane_masks(cols.len());
     let mut r = 0;
     while r < n {
         let rows = MR.min(n - r);
@@ -157,7 +157,7 @@ unsafe fn panel_avx512(
         macro_rules! tile {
             ($($m:literal)*) => {
                 match rows {
-                    $($m => tile_avx512::<$m>(c, o, x, block.as_ptr(), i, mask),)*
+                    $($m => tile_avx512::<$m>(c, o, x, block.as_ptr(), i, masks),)*
                     _ => unreachable!("rows is 1..=MR"),
                 }
             };
@@ -167,12 +167,12 @@ unsafe fn panel_avx512(
     }
 }
 
-/// `R` rows of `out` at `c` (row stride `o`, the lanes of `mask`) = the first `R` rows of the
-/// band at `x` (`[i, MR]`) times the packed block (`[i, NR]`).
+/// `R` rows of `out` at `c` (row stride `o`, the lanes set in the two half masks) = the first
+/// `R` rows of the band at `x` (`[i, MR]`) times the packed block (`[i, NR]`).
 ///
 /// # Safety
 /// The CPU must have AVX-512F; `x` addresses `i * MR` floats, `block` `i * NR`, `c` `R` rows
-/// of the lanes set in `mask`.
+/// of the lanes set in the masks.
 #[target_feature(enable = "avx512f")]
 #[inline]
 unsafe fn tile_avx512<const R: usize>(
@@ -181,7 +181,7 @@ unsafe fn tile_avx512<const R: usize>(
     x: *const f32,
     block: *const f32,
     i: usize,
-    mask: u32,
+    [lo, hi]: [__mmask16; 2],
 ) {
     let mut acc = [[_mm512_setzero_ps(); 2]; R];
     for k in 0..i {
@@ -193,7 +193,6 @@ unsafe fn tile_avx512<const R: usize>(
             acc[1] = _mm512_fmadd_ps(a, b1, acc[1]);
         }
     }
-    let (lo, hi) = (mask as __mmask16, (mask >> 16) as __mmask16);
     for (m, acc) in acc.iter().enumerate() {
         _mm512_mask_storeu_ps(c.add(m * o), lo, acc[0]);
         _mm512_mask_storeu_ps(c.add(m * o + 16), hi, acc[1]);
