@@ -61,7 +61,10 @@ impl Target {
         }
     }
 
-    /// The `iree-compile` flags selecting this target (input is always StableHLO).
+    /// The `iree-compile` flags selecting this target (input is always StableHLO). On llvm-cpu
+    /// IREE's microkernels are off: the mmt4d microkernel has no tile for the projections'
+    /// 32-lane panels and falls back to a scalar loop (about 40x slower), while the compiler's
+    /// own code runs them as 8 x 32 register tiles (see `graphs::PROJECTION_LANES`).
     pub fn flags(self) -> Vec<String> {
         let flags: &[&str] = match self {
             Target::LlvmCpu => &[
@@ -69,6 +72,7 @@ impl Target {
                 "--iree-hal-target-device=local",
                 "--iree-hal-local-target-device-backends=llvm-cpu",
                 "--iree-llvmcpu-target-cpu=host",
+                "--iree-llvmcpu-enable-ukernels=none",
             ],
             Target::VulkanSpirv => &[
                 "--iree-input-type=stablehlo",

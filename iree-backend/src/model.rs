@@ -17,9 +17,7 @@ use kvsnap_reference::kernels::gather_rows;
 use kvsnap_reference::{Tensor, Weights};
 
 use crate::compile::{CompileProgress, Compiler, Target};
-use crate::graphs::{
-    self, entry_name, DType, Input, Manifest, WeightLayout, DEFAULT_CHUNKS, PANEL_LANES,
-};
+use crate::graphs::{self, entry_name, DType, Input, Manifest, WeightLayout, DEFAULT_CHUNKS};
 pub use crate::kv::IreeKv;
 use crate::kv::KvPool;
 use crate::resident::{self, Lease};
@@ -144,7 +142,8 @@ fn import_weight(
         })?;
         // Packed a slice of rows at a time, each slice's file pages released once packed, so
         // that the load's RSS holds the packed matrix plus one slice, not two copies.
-        let rows_per_slice = PACK_SLICE_PANELS * PANEL_LANES;
+        let lanes = spec.dims[2];
+        let rows_per_slice = PACK_SLICE_PANELS * lanes;
         for (i, out) in panels
             .as_mut_f32()
             .chunks_mut(rows_per_slice * cols)
@@ -153,7 +152,7 @@ fn import_weight(
             let first = i * rows_per_slice;
             let end = (first + rows_per_slice).min(hf.dims[0]);
             let elems = first * cols..end * cols;
-            graphs::pack_panels(&t[elems.clone()], cols, out);
+            graphs::pack_panels(&t[elems.clone()], cols, lanes, out);
             let _ = t.release_resident_range(elems);
         }
         return BufferView::import_host(device, panels, &spec.dims, ElementType::F32);

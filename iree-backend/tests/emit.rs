@@ -11,7 +11,8 @@ use std::process::Command;
 use kvsnap_contract::ModelConfig;
 use kvsnap_iree::emit::{Cmp, DotDims, ElemType, FuncBuilder, Module, Reduction, TensorType};
 use kvsnap_iree::graphs::{
-    self, entry_name, GraphOptions, Input, Role, WeightLayout, DEFAULT_CHUNKS, PANEL_LANES,
+    self, entry_name, GraphOptions, Input, Role, WeightLayout, DEFAULT_CHUNKS, PROJECTION_LANES,
+    TABLE_LANES,
 };
 use kvsnap_reference::tiny::{config, Preset};
 
@@ -455,8 +456,8 @@ fn graphs_build_for_tiny_and_real_configs_with_the_head_sliced() {
         // No tensor with a vocab dim and another dim > 1 (no SEQ x vocab logits anywhere),
         // except the embedding table itself (and, with panels, the head's products of the
         // table's shape and its `[panels, 16]` sums).
-        let table = layout.dims(vocab, cfg.hidden_size);
-        let panels = vocab.div_ceil(PANEL_LANES);
+        let table = layout.table_dims(vocab, cfg.hidden_size);
+        let panels = vocab.div_ceil(TABLE_LANES);
         for dims in tensor_types(&g.mlir) {
             if dims == table {
                 continue;
@@ -473,7 +474,7 @@ fn graphs_build_for_tiny_and_real_configs_with_the_head_sliced() {
             if layout == WeightLayout::Panels && panels > 1024 && dims.contains(&panels) {
                 assert_eq!(
                     dims,
-                    [panels, PANEL_LANES],
+                    [panels, TABLE_LANES],
                     "tensor {dims:?} has a panels ({panels}) dim besides the head's"
                 );
             }
@@ -549,20 +550,21 @@ fn manifest_lists_weights_by_hf_name_in_call_order() {
     let back: graphs::Manifest = serde_json::from_str(&json).unwrap();
     assert_eq!(back, g.manifest);
 
-    // With panels every matrix is `[rows / 16, cols, 16]`; the norms stay as they are.
+    // With panels the table is `[vocab / 16, hidden, 16]`, every projection `[rows / 32,
+    // cols, 32]`; the norms stay as they are.
     let p = graphs::build(&cfg, &[1], GraphOptions::llvm_cpu());
     assert_eq!(p.manifest.weight_layout, WeightLayout::Panels);
     let pe = p.manifest.entry("chunk_ids_c1").unwrap();
     assert_eq!(pe.weights().count(), e.weights().count());
     for (panels, rows) in pe.weights().zip(e.weights()) {
         assert_eq!(panels.name, rows.name);
+        let lanes = if rows.name == "model.embed_tokens.weight" {
+            TABLE_LANES
+        } else {
+            PROJECTION_LANES
+        };
         match rows.dims[..] {
-            [r, c] => assert_eq!(
-                panels.dims,
-                [r.div_ceil(PANEL_LANES), c, PANEL_LANES],
-                "{}",
-                rows.name
-            ),
+            [r, c] => assert_eq!(panels.dims, [r.div_ceil(lanes), c, lanes], "{}", rows.name),
             _ => assert_eq!(panels.dims, rows.dims, "{}", rows.name),
         }
     }

@@ -11,7 +11,7 @@
 
 use kvsnap_contract::{LayerKind, ModelConfig};
 
-use super::manifest::{RingGeometry, WeightLayout, PANEL_LANES};
+use super::manifest::{RingGeometry, WeightLayout, TABLE_LANES};
 use super::GraphOptions;
 use crate::emit::{Cmp, DotDims, ElemType, FuncBuilder, Reduction, Value};
 
@@ -167,9 +167,9 @@ impl<'a> Forward<'a> {
         }
     }
 
-    /// `W . v` for panels `w` (`[P, in, 16]`) and `v` (`[in]`): `[16 P]`, as a reduction over
-    /// the middle dim of `w * v`. IREE keeps the 16 lanes as one vector and accumulates along
-    /// the panel, one 64-byte load per FMA in address order (the tuning spec of
+    /// `W . v` for panels `w` (`[P, in, L]`) and `v` (`[in]`): `[L P]`, as a reduction over
+    /// the middle dim of `w * v`. IREE keeps the `L` lanes as one or two vectors and accumulates
+    /// along the panel, one 64-byte load per FMA in address order (the tuning spec of
     /// [`super::llvm_cpu_tuning_spec`] runs four panels per tile); `dot_general` would become a
     /// matvec over a transposed copy of the weight.
     fn panel_matvec(&mut self, w: &Value, v: &Value) -> Value {
@@ -180,15 +180,18 @@ impl<'a> Forward<'a> {
         self.b.reshape(&y, &[dims[0] * dims[2]])
     }
 
-    /// `x . W^T` for panels `w` (`[P, in, 16]`) and `C > 1` rows `x` (`[C, in]`): `[C, 16 P]`,
+    /// `x . W^T` for panels `w` (`[P, in, L]`) and `C > 1` rows `x` (`[C, in]`): `[C, L P]`,
     /// as a `linalg.mmt4d` whose right operand is the panels as they are (they are its packed
-    /// `[N1, K, N0 = 16, K0 = 1]` layout) and whose left operand packs `x` into tiles of `m0`
-    /// rows (16 when `C` allows). The pack and unpack of the small activations are transposes;
-    /// the weight is read once, in order.
+    /// `[N1, K, N0 = L, K0 = 1]` layout) and whose left operand packs `x` into tiles of `m0`
+    /// rows (8 when `C` allows: with 32-lane panels, 8 x 32 register tiles, 16 accumulators).
+    /// The pack and unpack of the small activations are transposes; the weight is read once,
+    /// in order. IREE's mmt4d microkernel is off (see `Target::flags`): it has no 8 x 32 tile,
+    /// and its 16 x 16 tile over 16-lane panels (one load per FMA) ran the model's products
+    /// 1.1-2.5x slower than the compiler's 8 x 32 code.
     fn panel_matmul(&mut self, w: &Value, x: &Value) -> Value {
         let (c, k) = (x.dims()[0], x.dims()[1]);
         let (panels, lanes) = (w.dims()[0], w.dims()[2]);
-        let m0 = [16, 8, 4, 2, 1]
+        let m0 = [8, 4, 2, 1]
             .into_iter()
             .find(|m| c % m == 0)
             .expect("1 divides everything");
@@ -409,7 +412,7 @@ impl<'a> Forward<'a> {
                 self.b.gather_rows(embed, &idx)
             }
             WeightLayout::Panels => {
-                let lanes = self.i32(PANEL_LANES as i32, &[c]);
+                let lanes = self.i32(TABLE_LANES as i32, &[c]);
                 let panel = self.b.div(ids, &lanes);
                 let lane = self.b.remainder(ids, &lanes);
                 let panel = self.b.reshape(&panel, &[c, 1]);

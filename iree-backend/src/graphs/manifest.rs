@@ -61,8 +61,16 @@ pub struct TensorSpec {
     pub dtype: DType,
 }
 
-/// Lanes per panel of [`WeightLayout::Panels`]: one 64-byte vector of f32.
-pub const PANEL_LANES: usize = 16;
+/// Lanes per panel of the embedding table (also the tied head) in [`WeightLayout::Panels`]:
+/// one 64-byte vector of f32. The head's matvec streams these at the read limit (wider
+/// panels were slower, see docs/IREE.md), and a chunk only gathers rows from the table.
+pub const TABLE_LANES: usize = 16;
+
+/// Lanes per panel of a layer's projection in [`WeightLayout::Panels`]: two 64-byte vectors
+/// of f32. A prefill's `linalg.mmt4d` over 32-lane panels runs 8 x 32 register tiles (8
+/// broadcasts and 2 loads per 16 FMAs), 1.1-2.5x IREE's 16 x 16 tiles over 16-lane panels
+/// (16 broadcasts and 1 load per 16 FMAs); the decode step's matvecs stream them as fast.
+pub const PROJECTION_LANES: usize = 32;
 
 /// How the matrix weights (the embedding table, also the tied head, and every projection) are
 /// passed; vectors (norms) are always passed as they are.
@@ -73,58 +81,67 @@ pub enum WeightLayout {
     /// table).
     #[default]
     Rows,
-    /// `[ceil(rows / 16), cols, 16]`: panel `p` holds rows `16 p .. 16 p + 16` as its lanes,
-    /// `panels[p, k, j] = w[16 p + j, k]`, zero past the last row. A matrix-vector product then
-    /// reads 64-byte vectors of 16 rows' weights in order, which IREE's llvm-cpu code streams
-    /// up to half again as fast as its matvec over `[rows, cols]` (whose 16x16 tiles restart
-    /// 16 short streams every 640 columns); a prefill's matrix product over panels is a
-    /// `linalg.mmt4d` with the panels as its packed right operand, as fast as the HF layout's.
+    /// `[ceil(rows / L), cols, L]` with `L` lanes ([`TABLE_LANES`] for the table,
+    /// [`PROJECTION_LANES`] for a projection): panel `p` holds rows `L p .. L p + L` as its
+    /// lanes, `panels[p, k, j] = w[L p + j, k]`, zero past the last row. A matrix-vector
+    /// product then reads whole vectors of `L` rows' weights in order, which IREE's llvm-cpu
+    /// code streams up to half again as fast as its matvec over `[rows, cols]` (whose 16x16
+    /// tiles restart 16 short streams every 640 columns); a prefill's matrix product over
+    /// panels is a `linalg.mmt4d` with the panels as its packed right operand.
     Panels,
 }
 
 impl WeightLayout {
-    /// The dims of a `[rows, cols]` matrix in this layout.
-    pub fn dims(self, rows: usize, cols: usize) -> Vec<usize> {
+    /// The dims of the `[vocab, hidden]` embedding table in this layout.
+    pub fn table_dims(self, vocab: usize, hidden: usize) -> Vec<usize> {
+        self.dims(vocab, hidden, TABLE_LANES)
+    }
+
+    /// The dims of a `[out, in]` projection in this layout.
+    pub fn projection_dims(self, rows: usize, cols: usize) -> Vec<usize> {
+        self.dims(rows, cols, PROJECTION_LANES)
+    }
+
+    fn dims(self, rows: usize, cols: usize, lanes: usize) -> Vec<usize> {
         match self {
             WeightLayout::Rows => vec![rows, cols],
-            WeightLayout::Panels => vec![rows.div_ceil(PANEL_LANES), cols, PANEL_LANES],
+            WeightLayout::Panels => vec![rows.div_ceil(lanes), cols, lanes],
         }
     }
 }
 
-/// Writes a row-major `[rows, cols]` matrix into `out` as the `[ceil(rows / 16), cols, 16]`
-/// panels of [`WeightLayout::Panels`], zero-padded past the last row, on all cores (each panel
-/// is independent). `src` may be a slice of whole panels of a larger matrix (`out` then holds
-/// those panels).
+/// Writes a row-major `[rows, cols]` matrix into `out` as the `[ceil(rows / lanes), cols,
+/// lanes]` panels of [`WeightLayout::Panels`], zero-padded past the last row, on all cores
+/// (each panel is independent). `src` may be a slice of whole panels of a larger matrix (`out`
+/// then holds those panels).
 ///
 /// # Panics
-/// If `out` is not `ceil(rows / 16) * cols * 16` long or `src` not a multiple of `cols`.
-pub fn pack_panels(src: &[f32], cols: usize, out: &mut [f32]) {
-    const W: usize = PANEL_LANES;
+/// If `out` is not `ceil(rows / lanes) * cols * lanes` long or `src` not a multiple of `cols`.
+pub fn pack_panels(src: &[f32], cols: usize, lanes: usize, out: &mut [f32]) {
     assert!(
-        cols > 0 && src.len().is_multiple_of(cols),
+        cols > 0 && lanes > 0 && src.len().is_multiple_of(cols),
         "pack_panels: ragged rows"
     );
     let rows = src.len() / cols;
-    let panel = cols * W;
+    let panel = cols * lanes;
     assert_eq!(
         out.len(),
-        rows.div_ceil(W) * panel,
+        rows.div_ceil(lanes) * panel,
         "pack_panels: output length"
     );
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let per_thread = rows.div_ceil(W).div_ceil(threads).max(1) * panel;
+    let per_thread = rows.div_ceil(lanes).div_ceil(threads).max(1) * panel;
     std::thread::scope(|s| {
         for (t, part) in out.chunks_mut(per_thread).enumerate() {
             let first = t * per_thread / panel;
             s.spawn(move || {
                 for (i, dst) in part.chunks_mut(panel).enumerate() {
-                    let panel_rows = ((first + i) * W)..((first + i + 1) * W).min(rows);
+                    let panel_rows = ((first + i) * lanes)..((first + i + 1) * lanes).min(rows);
                     dst.fill(0.0);
                     for (j, row) in panel_rows.enumerate() {
                         let src = &src[row * cols..(row + 1) * cols];
                         for (k, &x) in src.iter().enumerate() {
-                            dst[k * W + j] = x;
+                            dst[k * lanes + j] = x;
                         }
                     }
                 }
@@ -236,13 +253,13 @@ pub fn weight_specs(cfg: &ModelConfig, layout: WeightLayout) -> Vec<TensorSpec> 
     let h = cfg.hidden_size;
     let mut out = vec![weight(
         "model.embed_tokens.weight",
-        &layout.dims(cfg.vocab_size, h),
+        &layout.table_dims(cfg.vocab_size, h),
     )];
     for layer in 0..cfg.num_layers() {
         for (suffix, _) in LAYER_WEIGHTS {
             let name = format!("model.layers.{layer}.{suffix}");
             let dims = match layer_weight_dims(cfg, suffix)[..] {
-                [rows, cols] => layout.dims(rows, cols),
+                [rows, cols] => layout.projection_dims(rows, cols),
                 ref vector => vector.to_vec(),
             };
             out.push(weight(&name, &dims));
@@ -339,27 +356,32 @@ mod tests {
     use super::*;
 
     #[test]
-    fn panels_hold_sixteen_rows_as_lanes_and_zeros_past_the_last_row() {
-        let (vocab, hidden) = (37, 3); // three panels, the last with 5 tokens
-        let rows: Vec<f32> = (0..vocab * hidden).map(|i| i as f32 + 1.0).collect();
-        let dims = WeightLayout::Panels.dims(vocab, hidden);
-        assert_eq!(dims, [3, hidden, PANEL_LANES]);
-        let mut out = vec![f32::NAN; dims.iter().product()];
-        pack_panels(&rows, hidden, &mut out);
-        for p in 0..3 {
-            for k in 0..hidden {
-                for j in 0..PANEL_LANES {
-                    let token = p * PANEL_LANES + j;
-                    let want = if token < vocab {
-                        rows[token * hidden + k]
-                    } else {
-                        0.0
-                    };
-                    let got = out[(p * hidden + k) * PANEL_LANES + j];
-                    assert_eq!(got, want, "panel {p} feature {k} lane {j}");
+    fn panels_hold_their_lanes_rows_and_zeros_past_the_last_row() {
+        // Three panels each, the last with 5 rows.
+        for (lanes, dims) in [
+            (TABLE_LANES, WeightLayout::Panels.table_dims(37, 3)),
+            (
+                PROJECTION_LANES,
+                WeightLayout::Panels.projection_dims(69, 3),
+            ),
+        ] {
+            let (rows, cols) = (2 * lanes + 5, 3);
+            assert_eq!(dims, [3, cols, lanes]);
+            let src: Vec<f32> = (0..rows * cols).map(|i| i as f32 + 1.0).collect();
+            let mut out = vec![f32::NAN; dims.iter().product()];
+            pack_panels(&src, cols, lanes, &mut out);
+            for p in 0..3 {
+                for k in 0..cols {
+                    for j in 0..lanes {
+                        let row = p * lanes + j;
+                        let want = if row < rows { src[row * cols + k] } else { 0.0 };
+                        let got = out[(p * cols + k) * lanes + j];
+                        assert_eq!(got, want, "{lanes} lanes: panel {p} col {k} lane {j}");
+                    }
                 }
             }
         }
-        assert_eq!(WeightLayout::Rows.dims(vocab, hidden), [vocab, hidden]);
+        assert_eq!(WeightLayout::Rows.table_dims(37, 3), [37, 3]);
+        assert_eq!(WeightLayout::Rows.projection_dims(69, 3), [69, 3]);
     }
 }

@@ -46,7 +46,7 @@ use forward::{Forward, LayerWeights};
 pub use manifest::{
     kv_layouts, kv_specs, pack_panels, weight_specs, DType, EntryPoint, KvLayout, Manifest,
     RingGeometry, Role, TensorSpec, WeightLayout, LAYER_WEIGHTS, MANIFEST_FORMAT, MANIFEST_VERSION,
-    PANEL_LANES, SLIDING_POSITIONS,
+    PROJECTION_LANES, SLIDING_POSITIONS, TABLE_LANES,
 };
 pub use tuning::llvm_cpu_tuning_spec;
 

@@ -12,13 +12,14 @@ use super::manifest::{weight_specs, WeightLayout};
 /// The tuning spec of a module whose matrices come in `layout`, if it has one.
 ///
 /// With [`WeightLayout::Panels`] each matvec of the decode step and the head is a
-/// `linalg.generic` reducing the middle dim of a `[panels, in, 16]` weight (its first operand,
+/// `linalg.generic` reducing the middle dim of a `[panels, in, lanes]` weight (its first operand,
 /// matched by type: the prefill's `linalg.mmt4d`s are not generics, and the gathers read the
 /// table inside their bodies). IREE's default tiles one panel at a time: one chain of `in` FMAs
 /// over one stream, about 18 GB/s on a 2-core AVX-512 host. Four panels per tile (four
 /// accumulators, four streams) read at the machine's bandwidth: the head alone 35.7 -> 30.9 ms,
-/// a `[16384, 640, 16]` reduction 36 -> 28 ms. Each workgroup takes a multiple of four panels,
-/// at most 64 and at least eight workgroups' worth where the weight has them.
+/// a `[16384, 640, 16]` reduction 36 -> 28 ms (the projections' 32-lane panels: two vectors per
+/// panel and position, eight accumulators). Each workgroup takes a multiple of four panels, at
+/// most 64 and at least eight workgroups' worth where the weight has them.
 pub fn llvm_cpu_tuning_spec(cfg: &ModelConfig, layout: WeightLayout) -> Option<String> {
     if layout != WeightLayout::Panels {
         return None;
@@ -41,10 +42,10 @@ pub fn llvm_cpu_tuning_spec(cfg: &ModelConfig, layout: WeightLayout) -> Option<S
     transform.match.operation_name %op ["linalg.generic"] : !transform.any_op
     %weight = transform.get_operand %op[0] : (!transform.any_op) -> !transform.any_value
     transform.iree.match.cast_compatible_type %weight = tensor<{}x{}x{}xf32> : !transform.any_value
-    %config = transform.param.constant #iree_codegen.compilation_info<lowering_config = #iree_cpu.lowering_config<distribution = [{per_workgroup}, 16, 0], vector_common_parallel = [4, 16, 0], vector_reduction = [0, 0, 16]>, translation_info = #iree_codegen.translation_info<pipeline = #iree_cpu.pipeline<DoubleTilingExpert>>> -> !transform.any_param
+    %config = transform.param.constant #iree_codegen.compilation_info<lowering_config = #iree_cpu.lowering_config<distribution = [{per_workgroup}, {lanes}, 0], vector_common_parallel = [4, {lanes}, 0], vector_reduction = [0, 0, 16]>, translation_info = #iree_codegen.translation_info<pipeline = #iree_cpu.pipeline<DoubleTilingExpert>>> -> !transform.any_param
     transform.yield %op, %config : !transform.any_op, !transform.any_param
   }}"#,
-            dims[0], dims[1], dims[2]
+            dims[0], dims[1], dims[2], lanes = dims[2]
         )
         .expect("writing to a String");
         entries.push(format!("@match_panels_{i} -> @apply_op_config"));
@@ -78,20 +79,22 @@ mod tests {
         assert_eq!(llvm_cpu_tuning_spec(&cfg, WeightLayout::Rows), None);
         let spec = llvm_cpu_tuning_spec(&cfg, WeightLayout::Panels).unwrap();
         // One matcher per panel shape: the table, q, k and v, o, gate and up, down.
-        for (dims, per_workgroup) in [
-            ("16384x640x16", 64),
-            ("64x640x16", 8),
-            ("16x640x16", 4),
-            ("40x1024x16", 4),
-            ("128x640x16", 16),
-            ("40x2048x16", 4),
+        for (dims, per_workgroup, lanes) in [
+            ("16384x640x16", 64, 16),
+            ("32x640x32", 4, 32),
+            ("8x640x32", 4, 32),
+            ("20x1024x32", 4, 32),
+            ("64x640x32", 8, 32),
+            ("20x2048x32", 4, 32),
         ] {
             let matched = format!("%weight = tensor<{dims}xf32>");
             assert_eq!(spec.matches(&matched).count(), 1, "{dims}");
             let at = spec.find(&matched).unwrap();
             let config = &spec[at..at + spec[at..].find("translation_info").unwrap()];
             assert!(
-                config.contains(&format!("distribution = [{per_workgroup}, 16, 0]")),
+                config.contains(&format!(
+                    "distribution = [{per_workgroup}, {lanes}, 0], vector_common_parallel = [4, {lanes}, 0]"
+                )),
                 "{dims}: {config}"
             );
         }
