@@ -579,3 +579,19 @@ fn tiny_module_compiles() {
         compile(&g.mlir, "tiny");
     }
 }
+
+#[test]
+fn prefill_products_deeper_than_640_are_split_into_blocks() {
+    // Per layer of a chunk function: q, k, v and gate, up (640 deep) one `mmt4d` each, o (1024)
+    // two, down (2048) four; a one-row chunk has none (its products are matvecs).
+    let cfg = real_config();
+    let g = graphs::build(&cfg, &[1, 64], GraphOptions::llvm_cpu());
+    let count = g.mlir.matches("\"linalg.mmt4d\"").count();
+    assert_eq!(count, 2 * cfg.num_layers() * (5 + 2 + 4));
+    assert!(
+        g.mlir.contains("tensor<8x512x8x1xf32>"),
+        "a 512-deep block of 8-row tiles"
+    );
+    let rows = graphs::build(&cfg, &[1, 64], GraphOptions::vulkan());
+    assert_eq!(rows.mlir.matches("\"linalg.mmt4d\"").count(), 0);
+}

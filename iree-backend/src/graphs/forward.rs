@@ -38,6 +38,18 @@ fn global_spans(capacity: usize, c: usize) -> Vec<usize> {
     spans
 }
 
+/// The deepest `linalg.mmt4d` [`Forward::panel_matmul`] emits: 640 positions, an 8-row tile of
+/// 20 KiB. On two cores of an AVX-512 Xeon (`iree-benchmark-module`, 64 rows, 8 weights),
+/// `[640, 2048]` (down) ran 102-137 GFLOP/s in one `mmt4d`, 129-172 in two and 133-169 in four;
+/// `[640, 1024]` (o) 139-163 in one, 147-221 in two; the 640-deep products gained nothing.
+pub(super) const MMT4D_MAX_DEPTH: usize = 640;
+
+/// The depth `k` in `ceil(k / MMT4D_MAX_DEPTH)` blocks as even as may be, as `(start, end)`.
+fn depth_blocks(k: usize) -> Vec<(usize, usize)> {
+    let n = k.div_ceil(MMT4D_MAX_DEPTH).max(1);
+    (0..n).map(|i| (i * k / n, (i + 1) * k / n)).collect()
+}
+
 /// One layer's weights as function arguments, in [`super::LAYER_WEIGHTS`] order; the HF
 /// shapes are given, the matrices come in the module's [`WeightLayout`].
 pub(super) struct LayerWeights {
@@ -188,6 +200,10 @@ impl<'a> Forward<'a> {
     /// in order. IREE's mmt4d microkernel is off (see `Target::flags`): it has no 8 x 32 tile,
     /// and its 16 x 16 tile over 16-lane panels (one load per FMA) ran the model's products
     /// 1.1-2.5x slower than the compiler's 8 x 32 code.
+    ///
+    /// A depth over [`MMT4D_MAX_DEPTH`] is split into equal blocks, one `mmt4d` each, summed:
+    /// IREE runs each register tile over the whole depth, and an 8-row tile of o's 1024 or
+    /// down's 2048 positions (32-64 KiB) no longer stays in L1 beside the panel it meets.
     fn panel_matmul(&mut self, w: &Value, x: &Value) -> Value {
         let (c, k) = (x.dims()[0], x.dims()[1]);
         let (panels, lanes) = (w.dims()[0], w.dims()[2]);
@@ -200,7 +216,23 @@ impl<'a> Forward<'a> {
         let lhs = self.b.transpose(&lhs, &[0, 2, 1]);
         let lhs = self.b.reshape(&lhs, &[m1, k, m0, 1]);
         let rhs = self.b.reshape(w, &[panels, k, lanes, 1]);
-        let y = self.b.mmt4d(&lhs, &rhs); // [m1, panels, m0, 16]
+        let mut y: Option<Value> = None; // [m1, panels, m0, lanes]
+        for (start, end) in depth_blocks(k) {
+            let part = if (start, end) == (0, k) {
+                self.b.mmt4d(&lhs, &rhs)
+            } else {
+                let l = self.b.slice(&lhs, &[0, start, 0, 0], &[m1, end, m0, 1]);
+                let r = self
+                    .b
+                    .slice(&rhs, &[0, start, 0, 0], &[panels, end, lanes, 1]);
+                self.b.mmt4d(&l, &r)
+            };
+            y = Some(match y {
+                None => part,
+                Some(sum) => self.b.add(&sum, &part),
+            });
+        }
+        let y = y.expect("a depth has at least one block");
         let y = self.b.transpose(&y, &[0, 2, 1, 3]);
         self.b.reshape(&y, &[c, panels * lanes])
     }
@@ -756,5 +788,35 @@ impl<'a> Forward<'a> {
         let idx = self.b.select(&hit, &idx, &none);
         let row_min = self.b.reduce(&idx, Reduction::Min, &[1]);
         self.b.reduce(&row_min, Reduction::Min, &[0])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn depth_blocks_cover_the_depth_in_blocks_of_at_most_the_limit() {
+        assert_eq!(depth_blocks(64), [(0, 64)]);
+        assert_eq!(depth_blocks(640), [(0, 640)]);
+        assert_eq!(depth_blocks(1024), [(0, 512), (512, 1024)]);
+        assert_eq!(
+            depth_blocks(2048),
+            [(0, 512), (512, 1024), (1024, 1536), (1536, 2048)]
+        );
+        for k in 1..3000 {
+            let blocks = depth_blocks(k);
+            assert_eq!(blocks.first().unwrap().0, 0);
+            assert_eq!(blocks.last().unwrap().1, k);
+            for pair in blocks.windows(2) {
+                assert_eq!(pair[0].1, pair[1].0, "depth {k}: {blocks:?}");
+            }
+            assert!(
+                blocks
+                    .iter()
+                    .all(|(a, b)| a < b && b - a <= MMT4D_MAX_DEPTH),
+                "depth {k}: {blocks:?}"
+            );
+        }
     }
 }
