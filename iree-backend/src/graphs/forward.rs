@@ -42,7 +42,7 @@ fn global_spans(capacity: usize, c: usize) -> Vec<usize> {
 /// 20 KiB. On two cores of an AVX-512 Xeon (`iree-benchmark-module`, 64 rows, 8 weights),
 /// `[640, 2048]` (down) ran 102-137 GFLOP/s in one `mmt4d`, 129-172 in two and 133-169 in four;
 /// `[640, 1024]` (o) 139-163 in one, 147-221 in two; the 640-deep products gained nothing.
-pub(super) const MMT4D_MAX_DEPTH: usize = 640;
+const MMT4D_MAX_DEPTH: usize = 640;
 
 /// The depth `k` in `ceil(k / MMT4D_MAX_DEPTH)` blocks as even as may be, as `(start, end)`.
 fn depth_blocks(k: usize) -> Vec<(usize, usize)> {
