@@ -89,6 +89,9 @@ pub struct Args {
     /// Turns served from the snapshot (default: 20 for `catalog`, 5 for `scaling`).
     #[arg(long)]
     turns: Option<usize>,
+    /// `catalog`: timed prefills of the prefix (the median is reported, every one is in the JSON).
+    #[arg(long, default_value_t = 3)]
+    prefill_reps: usize,
     /// Greedy decode steps per turn after the extend.
     #[arg(long, default_value_t = 15)]
     steps: usize,
@@ -198,7 +201,14 @@ fn run_model<M: KvModel>(
     let (report, peak_rss) = match scenario {
         ModelScenario::Catalog => {
             let turns = args.turns.unwrap_or(20);
-            let run = catalog::measure(model, w, turns, args.steps, args.measure_stateless)?;
+            let run = catalog::measure(
+                model,
+                w,
+                args.prefill_reps,
+                turns,
+                args.steps,
+                args.measure_stateless,
+            )?;
             (Measured::Catalog(run), peak_rss_bytes()?)
         }
         ModelScenario::Scaling => {

@@ -30,8 +30,10 @@ pub struct Turn {
 /// Turns served from one prefix snapshot.
 #[derive(Clone, Debug)]
 pub struct Served {
-    /// Prefill of the prefix.
+    /// Prefill of the prefix: the median of `prefill_runs_s`.
     pub prefill_s: f64,
+    /// Every timed prefill of the prefix, in order (the last one is the snapshot's source).
+    pub prefill_runs_s: Vec<f64>,
     /// Snapshot of the prefilled prefix.
     pub snapshot_s: f64,
     /// KV bytes the backend holds for the prefix snapshot (IREE: whole buffers, capacity rows
@@ -59,25 +61,41 @@ pub struct Stateless {
     pub tokens_agree: (usize, usize),
 }
 
-/// Prefills the prefix, snapshots it and serves `turns` turns of `extend + steps`.
+/// Prefills the prefix `prefill_reps` times (one prefill is a single, noisy sample of the
+/// figure most often compared), snapshots the last one and serves `turns` turns of
+/// `extend + steps`.
 pub fn serve<M: KvModel>(
     model: &M,
     w: &Workload,
+    prefill_reps: usize,
     turns: usize,
     steps: usize,
 ) -> anyhow::Result<Served> {
     ensure!(turns > 0, "at least one turn");
-    eprintln!("prefilling the {}-token prefix ...", w.prefix.len());
-    let t = Instant::now();
-    let (prefix_kv, _) = model.prefill(&w.prefix, Logits::Skip)?;
-    let prefill_s = t.elapsed().as_secs_f64();
+    ensure!(prefill_reps > 0, "at least one prefill of the prefix");
+    let mut prefill_runs_s = Vec::with_capacity(prefill_reps);
+    let prefix_kv = loop {
+        eprintln!(
+            "prefilling the {}-token prefix ({}/{prefill_reps}) ...",
+            w.prefix.len(),
+            prefill_runs_s.len() + 1
+        );
+        let t = Instant::now();
+        let (kv, _) = model.prefill(&w.prefix, Logits::Skip)?;
+        prefill_runs_s.push(t.elapsed().as_secs_f64());
+        if prefill_runs_s.len() == prefill_reps {
+            break kv;
+        }
+        model.release(kv)?;
+    };
+    let prefill_s = median(&prefill_runs_s);
     let t = Instant::now();
     let snapshot = model.snapshot(&prefix_kv)?;
     let snapshot_s = t.elapsed().as_secs_f64();
     model.release(prefix_kv)?;
     let kv_bytes = model.kv_bytes(&snapshot);
     eprintln!(
-        "prefix prefill {}, snapshot {} ({:.1} MiB)",
+        "prefix prefill {} (median of {prefill_reps}), snapshot {} ({:.1} MiB)",
         fmt_s(prefill_s),
         fmt_s(snapshot_s),
         kv_bytes as f64 / (1 << 20) as f64
@@ -126,6 +144,7 @@ pub fn serve<M: KvModel>(
     let live_kv_bytes = model.config().kv_bytes(w.prefix.len());
     Ok(Served {
         prefill_s,
+        prefill_runs_s,
         snapshot_s,
         kv_bytes,
         live_kv_bytes,
@@ -233,11 +252,12 @@ fn evict(buf: &[u8]) {
 pub fn measure<M: KvModel>(
     model: &M,
     w: &Workload,
+    prefill_reps: usize,
     turns: usize,
     steps: usize,
     measure_stateless: bool,
 ) -> anyhow::Result<(Served, Stateless)> {
-    let served = serve(model, w, turns, steps)?;
+    let served = serve(model, w, prefill_reps, turns, steps)?;
     let cost = CostModel::new(model.config());
     let stateless = stateless_turn(
         model,
@@ -311,6 +331,7 @@ impl Report {
             "case": w.case,
             "prefix_tokens": np,
             "prefix_prefill_s": served.prefill_s,
+            "prefix_prefill_runs_s": served.prefill_runs_s,
             "turns": served.turns.len(),
             "turn_steps": steps,
             "turn_p50_s": p50,
@@ -347,7 +368,10 @@ impl Report {
         let x = |measured: f64, floor: f64| format!("{:.2}x", measured / floor);
         let table = vec![
             [
-                format!("prefix prefill ({np} tok)"),
+                format!(
+                    "prefix prefill ({np} tok), median of {}",
+                    served.prefill_runs_s.len()
+                ),
                 fmt_s(served.prefill_s),
                 fmt_s(floor_prefill),
                 x(served.prefill_s, floor_prefill),
@@ -503,7 +527,9 @@ mod tests {
             utterance: vec![105, 40, 41],
             greedy: Vec::new(),
         };
-        let served = serve(&model, &w, 3, 4).unwrap();
+        let served = serve(&model, &w, 2, 3, 4).unwrap();
+        assert_eq!(served.prefill_runs_s.len(), 2);
+        assert!(served.prefill_runs_s.contains(&served.prefill_s));
         assert_eq!(served.turns.len(), 3);
         assert!(served
             .turns
