@@ -595,3 +595,30 @@ fn prefill_products_deeper_than_640_are_split_into_blocks() {
     let rows = graphs::build(&cfg, &[1, 64], GraphOptions::vulkan());
     assert_eq!(rows.mlir.matches("\"linalg.mmt4d\"").count(), 0);
 }
+
+/// The llvm-cpu module's tuning spec covers every `P . V` product its prefill chunks run (the
+/// sliding ring, each live span of the global layers), and none of the decode step's.
+#[test]
+fn the_tuning_spec_tiles_each_prefill_attention_product_and_no_decode_one() {
+    let cfg = real_config();
+    let g = graphs::build(&cfg, &DEFAULT_CHUNKS, GraphOptions::llvm_cpu());
+    let spec = g
+        .tuning_spec
+        .expect("llvm-cpu graphs come with a tuning spec");
+    let (hd, heads) = (cfg.head_dim, cfg.num_attention_heads);
+    let ring = g.manifest.ring.rows;
+    for &c in DEFAULT_CHUNKS.iter().filter(|&&c| c >= 16) {
+        let m = c * heads;
+        for rows in [ring, 512, 1024, 2048, cfg.context_capacity] {
+            assert!(
+                spec.contains(&format!("%p = tensor<{m}x{rows}xf32>")),
+                "chunk {c}: no matcher for P [{m}, {rows}]"
+            );
+        }
+    }
+    assert!(spec.contains(&format!("%v = tensor<{ring}x{hd}xf32>")));
+    assert!(
+        !spec.contains(&format!("%p = tensor<{heads}x")),
+        "decode products are left alone"
+    );
+}

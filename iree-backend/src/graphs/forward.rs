@@ -27,7 +27,7 @@ const ARGMAX_INNER: usize = 512;
 /// The row spans a global layer's attention of a `c`-row chunk may run over (see
 /// [`Forward::attend_live`]): an eighth, a quarter and half of `capacity` where they hold at
 /// least `c` rows, then `capacity` itself.
-fn global_spans(capacity: usize, c: usize) -> Vec<usize> {
+pub(super) fn global_spans(capacity: usize, c: usize) -> Vec<usize> {
     let mut spans: Vec<usize> = [8, 4, 2]
         .iter()
         .map(|d| capacity / d)

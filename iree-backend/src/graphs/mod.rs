@@ -152,9 +152,10 @@ pub fn build(cfg: &ModelConfig, chunks: &[usize], opts: GraphOptions) -> Graphs 
             entry_points.push(entry);
         }
     }
+    let attention = attention_products(cfg, &chunks, ring, opts);
     Graphs {
         mlir: module.text(),
-        tuning_spec: llvm_cpu_tuning_spec(cfg, opts.layout),
+        tuning_spec: llvm_cpu_tuning_spec(cfg, opts.layout, &attention),
         manifest: Manifest {
             format: MANIFEST_FORMAT.to_string(),
             version: MANIFEST_VERSION,
@@ -166,6 +167,37 @@ pub fn build(cfg: &ModelConfig, chunks: &[usize], opts: GraphOptions) -> Graphs 
             entry_points,
         },
     }
+}
+
+/// The `(M, rows)` of each attention product `P [M, rows] . V [rows, head_dim]` the chunks of
+/// at least 64 query rows run as a `linalg.matmul` (one KV head; `M` = chunk x query heads):
+/// over the sliding ring, and over the global layers' live spans (or their whole capacity).
+fn attention_products(
+    cfg: &ModelConfig,
+    chunks: &[usize],
+    ring: RingGeometry,
+    opts: GraphOptions,
+) -> Vec<(usize, usize)> {
+    if cfg.num_key_value_heads != 1 {
+        return Vec::new(); // batched over KV heads: a linalg.batch_matmul
+    }
+    let mut products = Vec::new();
+    for &c in chunks {
+        let m = c * cfg.group_size();
+        if m < 64 || !m.is_multiple_of(8) {
+            continue;
+        }
+        let spans = if opts.branches {
+            forward::global_spans(cfg.context_capacity, c)
+        } else {
+            vec![cfg.context_capacity]
+        };
+        products.push((m, ring.rows));
+        products.extend(spans.into_iter().map(|rows| (m, rows)));
+    }
+    products.sort_unstable();
+    products.dedup();
+    products
 }
 
 /// A module `@argmax(logits: tensor<{vocab}xf32>) -> tensor<i32>` holding the head's two-stage

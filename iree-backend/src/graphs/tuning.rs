@@ -20,7 +20,19 @@ use super::manifest::{weight_specs, WeightLayout};
 /// a `[16384, 640, 16]` reduction 36 -> 28 ms (the projections' 32-lane panels: two vectors per
 /// panel and position, eight accumulators). Each workgroup takes a multiple of four panels, at
 /// most 64 and at least eight workgroups' worth where the weight has them.
-pub fn llvm_cpu_tuning_spec(cfg: &ModelConfig, layout: WeightLayout) -> Option<String> {
+///
+/// Attention's second product, `P [M, rows] . V [rows, head_dim]` (a `linalg.matmul` where
+/// there is one KV head), gets 8 x 32 register tiles with the depth loop innermost: IREE's
+/// default 8 x 16 tiles with a 16-deep reduction ran a `[256, 640] . [640, 256]` in 0.88 ms on
+/// the 2-core AVX-512 host, these in 0.49 ms (docs/BENCHMARKS.md, ninth pass). `attention`
+/// lists each `(M, rows)` the module's chunks multiply; the first product, `q . k^T`, is left
+/// to IREE (the same tiles ran it slower), and so is any shape whose `rows` equals `head_dim`,
+/// where the two products' operand types would be alike.
+pub fn llvm_cpu_tuning_spec(
+    cfg: &ModelConfig,
+    layout: WeightLayout,
+    attention: &[(usize, usize)],
+) -> Option<String> {
     if layout != WeightLayout::Panels {
         return None;
     }
@@ -50,6 +62,26 @@ pub fn llvm_cpu_tuning_spec(cfg: &ModelConfig, layout: WeightLayout) -> Option<S
         .expect("writing to a String");
         entries.push(format!("@match_panels_{i} -> @apply_op_config"));
     }
+    let hd = cfg.head_dim;
+    for (i, &(m, rows)) in attention.iter().enumerate() {
+        if rows == hd {
+            continue;
+        }
+        writeln!(
+            matchers,
+            r#"  transform.named_sequence @match_pv_{i}(%op: !transform.any_op {{transform.readonly}}) -> (!transform.any_op, !transform.any_param) {{
+    transform.match.operation_name %op ["linalg.matmul"] : !transform.any_op
+    %p = transform.get_operand %op[0] : (!transform.any_op) -> !transform.any_value
+    transform.iree.match.cast_compatible_type %p = tensor<{m}x{rows}xf32> : !transform.any_value
+    %v = transform.get_operand %op[1] : (!transform.any_op) -> !transform.any_value
+    transform.iree.match.cast_compatible_type %v = tensor<{rows}x{hd}xf32> : !transform.any_value
+    %config = transform.param.constant #iree_codegen.compilation_info<lowering_config = #iree_cpu.lowering_config<distribution = [64, 64, 0], vector_common_parallel = [8, 32, 0], vector_reduction = [0, 0, 1]>, translation_info = #iree_codegen.translation_info<pipeline = #iree_cpu.pipeline<DoubleTilingExpert>>> -> !transform.any_param
+    transform.yield %op, %config : !transform.any_op, !transform.any_param
+  }}"#
+        )
+        .expect("writing to a String");
+        entries.push(format!("@match_pv_{i} -> @apply_op_config"));
+    }
     Some(format!(
         r#"module attributes {{iree_codegen.tuning_spec_with_default_entrypoint, transform.with_named_sequence}} {{
   transform.named_sequence @apply_op_config(%op: !transform.any_op {{transform.readonly}}, %config: !transform.any_param {{transform.readonly}}) {{
@@ -76,8 +108,8 @@ mod tests {
     #[test]
     fn only_the_panel_layout_is_tuned_and_the_spec_matches_each_panel_shape() {
         let cfg = config(Preset::RealShapes);
-        assert_eq!(llvm_cpu_tuning_spec(&cfg, WeightLayout::Rows), None);
-        let spec = llvm_cpu_tuning_spec(&cfg, WeightLayout::Panels).unwrap();
+        assert_eq!(llvm_cpu_tuning_spec(&cfg, WeightLayout::Rows, &[]), None);
+        let spec = llvm_cpu_tuning_spec(&cfg, WeightLayout::Panels, &[]).unwrap();
         // One matcher per panel shape: the table, q, k and v, o, gate and up, down.
         for (dims, per_workgroup, lanes) in [
             ("16384x640x16", 64, 16),
@@ -99,5 +131,25 @@ mod tests {
             );
         }
         assert_eq!(spec.matches("-> @apply_op_config").count(), 6);
+    }
+
+    #[test]
+    fn attention_products_get_8_x_32_tiles_except_where_rows_equal_head_dim() {
+        let cfg = config(Preset::RealShapes);
+        let hd = cfg.head_dim;
+        let spec =
+            llvm_cpu_tuning_spec(&cfg, WeightLayout::Panels, &[(256, 640), (64, hd)]).unwrap();
+        // Six panel shapes and the one product whose operand types tell P . V from q . k^T.
+        assert_eq!(spec.matches("-> @apply_op_config").count(), 7);
+        let p = "%p = tensor<256x640xf32>";
+        let v = format!("%v = tensor<640x{hd}xf32>");
+        let at = spec.find(p).expect("the 256 x 640 product is matched");
+        let matcher = &spec[at..at + spec[at..].find("transform.yield").unwrap()];
+        assert!(matcher.contains(&v), "{matcher}");
+        assert!(
+            matcher.contains("vector_common_parallel = [8, 32, 0], vector_reduction = [0, 0, 1]"),
+            "{matcher}"
+        );
+        assert!(!spec.contains(&format!("tensor<64x{hd}xf32>")));
     }
 }
