@@ -30,9 +30,8 @@ pub struct Turn {
 /// Turns served from one prefix snapshot.
 #[derive(Clone, Debug)]
 pub struct Served {
-    /// Prefill of the prefix: the median of `prefill_runs_s`.
-    pub prefill_s: f64,
-    /// Every timed prefill of the prefix, in order (the last one is the snapshot's source).
+    /// Every timed prefill of the prefix, in order (the last one is the snapshot's source);
+    /// [`Served::prefill_s`] is their median.
     pub prefill_runs_s: Vec<f64>,
     /// Snapshot of the prefilled prefix.
     pub snapshot_s: f64,
@@ -46,6 +45,13 @@ pub struct Served {
     pub memcpy_s: f64,
     /// The turns, in order.
     pub turns: Vec<Turn>,
+}
+
+impl Served {
+    /// The prefix prefill: the median of the timed runs.
+    pub fn prefill_s(&self) -> f64 {
+        median(&self.prefill_runs_s)
+    }
 }
 
 /// What the stateless contract would cost for one turn.
@@ -88,7 +94,6 @@ pub fn serve<M: KvModel>(
         }
         model.release(kv)?;
     };
-    let prefill_s = median(&prefill_runs_s);
     let t = Instant::now();
     let snapshot = model.snapshot(&prefix_kv)?;
     let snapshot_s = t.elapsed().as_secs_f64();
@@ -96,7 +101,7 @@ pub fn serve<M: KvModel>(
     let kv_bytes = model.kv_bytes(&snapshot);
     eprintln!(
         "prefix prefill {} (median of {prefill_reps}), snapshot {} ({:.1} MiB)",
-        fmt_s(prefill_s),
+        fmt_s(median(&prefill_runs_s)),
         fmt_s(snapshot_s),
         kv_bytes as f64 / (1 << 20) as f64
     );
@@ -143,7 +148,6 @@ pub fn serve<M: KvModel>(
     model.release(snapshot)?;
     let live_kv_bytes = model.config().kv_bytes(w.prefix.len());
     Ok(Served {
-        prefill_s,
         prefill_runs_s,
         snapshot_s,
         kv_bytes,
@@ -305,6 +309,7 @@ impl Report {
             median(&all_steps)
         };
         let (extend_s, restore_s) = (median(&extend), median(&restore));
+        let prefill_s = served.prefill_s();
 
         let prefill = cost.chunk(0, np);
         let extend_work = cost.chunk(np, nu);
@@ -330,7 +335,7 @@ impl Report {
             "backend": backend,
             "case": w.case,
             "prefix_tokens": np,
-            "prefix_prefill_s": served.prefill_s,
+            "prefix_prefill_s": prefill_s,
             "prefix_prefill_runs_s": served.prefill_runs_s,
             "turns": served.turns.len(),
             "turn_steps": steps,
@@ -372,9 +377,9 @@ impl Report {
                     "prefix prefill ({np} tok), median of {}",
                     served.prefill_runs_s.len()
                 ),
-                fmt_s(served.prefill_s),
+                fmt_s(prefill_s),
                 fmt_s(floor_prefill),
-                x(served.prefill_s, floor_prefill),
+                x(prefill_s, floor_prefill),
             ],
             [
                 format!("turn p50 (extend {nu} + {steps} steps)"),
@@ -439,8 +444,8 @@ impl Report {
         let footer = vec![
             format!(
                 "prefill {:.0} tok/s = {:.0}% of the SGEMM rate; decode {:.1} tok/s = {:.0}% of the read bandwidth ({:.0} MB per step)",
-                np as f64 / served.prefill_s,
-                100.0 * floor_prefill / served.prefill_s,
+                np as f64 / prefill_s,
+                100.0 * floor_prefill / prefill_s,
                 1.0 / decode_step_s,
                 100.0 * floor_step / decode_step_s,
                 mid_step.bytes / 1e6
@@ -529,7 +534,7 @@ mod tests {
         };
         let served = serve(&model, &w, 2, 3, 4).unwrap();
         assert_eq!(served.prefill_runs_s.len(), 2);
-        assert!(served.prefill_runs_s.contains(&served.prefill_s));
+        assert!(served.prefill_runs_s.contains(&served.prefill_s()));
         assert_eq!(served.turns.len(), 3);
         assert!(served
             .turns
