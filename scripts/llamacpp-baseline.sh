@@ -6,7 +6,7 @@
 #      with cmake: libllama for scripts/llamacpp/turn.cpp, and llama-bench;
 #   2. an all-F32 GGUF of the model (scripts/llamacpp/f32_gguf.py: every tensor dequantised as
 #      kvsnap's import does);
-#   3. the catalog prompt split as the bench splits it (scripts/llamacpp/catalog_ids.py);
+#   3. the catalog prompt split as the bench splits it (`kvsnap bench workload`);
 #   4. turn: prefill the prefix, save the sequence state, then per turn restore it, decode the
 #      utterance and 15 greedy steps; writes target/llamacpp/catalog.json;
 #   5. llama-bench: prompt processing of the prefix length and 15-token generation.
@@ -24,6 +24,8 @@ GGUF_F32="$WORK/gemma-3-270m-f32.gguf"
 THREADS="${LLAMACPP_THREADS:-$(nproc)}"
 
 [ -f "$GGUF_IN" ] || { echo "llamacpp-baseline: $GGUF_IN is missing: run scripts/setup.sh first" >&2; exit 1; }
+KVSNAP="$ROOT/target/release/kvsnap"
+[ -x "$KVSNAP" ] || { echo "llamacpp-baseline: $KVSNAP is missing: run scripts/setup.sh first" >&2; exit 1; }
 [ -x "$ROOT/.venv/bin/cmake" ] || { echo "llamacpp-baseline: .venv/bin/cmake is missing: run scripts/setup.sh first" >&2; exit 1; }
 export PATH="$ROOT/.venv/bin:$PATH"
 mkdir -p "$WORK"
@@ -61,8 +63,7 @@ if [ ! -f "$GGUF_F32" ]; then
     mv "$GGUF_F32.partial" "$GGUF_F32"
 fi
 
-"$WORK/venv/bin/python" "$ROOT/scripts/llamacpp/catalog_ids.py" \
-    "$ROOT/goldens/gemma-3-270m.visible.json" catalog_tv "$WORK"
+"$KVSNAP" bench workload --ids-out "$WORK"
 PREFIX_TOKENS="$(wc -l <"$WORK/prefix.ids")"
 
 echo

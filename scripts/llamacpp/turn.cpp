@@ -5,7 +5,7 @@
 //
 //   turn MODEL.gguf DIR OUT.json [turns=20] [steps=15] [threads=all]
 //
-// DIR holds prefix.ids, utterance.ids and greedy.ids (scripts/llamacpp/catalog_ids.py).
+// DIR holds prefix.ids, utterance.ids and greedy.ids (`kvsnap bench workload --ids-out DIR`).
 #include "llama.h"
 
 #include <algorithm>

@@ -7,6 +7,8 @@
 //!   sliced) against the stateful step at several sequence lengths, and the per-turn ratio.
 //! - `limits`: read bandwidth and SGEMM rate only.
 //! - `plot`: no measurement; draws earlier scaling runs (several backends) into one SVG.
+//! - `workload`: no measurement; writes the catalog workload's token ids (prefix, utterance, the
+//!   oracle's greedy continuation) for other engines' runs of the same scenario.
 //!
 //! Each prints a table on stdout (progress goes to stderr) and, with `--json`, writes one JSON
 //! object. Every scenario is generic over [`KvModel`], so any backend of [`with_model!`] runs it.
@@ -44,6 +46,8 @@ pub enum Scenario {
     Limits,
     /// No measurement: draw the scaling runs of `--plot-with` into `--plot`.
     Plot,
+    /// No measurement: write the workload's token ids into `--ids-out`.
+    Workload,
 }
 
 impl Scenario {
@@ -54,6 +58,7 @@ impl Scenario {
             Scenario::Scaling => "scaling",
             Scenario::Limits => "limits",
             Scenario::Plot => "plot",
+            Scenario::Workload => "workload",
         }
     }
 }
@@ -80,6 +85,10 @@ pub struct Args {
     /// `scaling` only: scaling JSON files of other runs (other backends) to draw in the same plot.
     #[arg(long = "plot-with")]
     plot_with: Vec<PathBuf>,
+    /// `workload` only: folder to write prefix.ids, utterance.ids and greedy.ids to (one token
+    /// id a line).
+    #[arg(long = "ids-out")]
+    ids_out: Option<PathBuf>,
     /// Golden set holding the catalog prompt (only its token ids are used).
     #[arg(long, default_value = "goldens/gemma-3-270m.visible.json")]
     goldens: PathBuf,
@@ -118,9 +127,13 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     if !plots && (args.plot.is_some() || !args.plot_with.is_empty()) {
         bail!("--plot draws the scaling table: use it with `kvsnap bench scaling` or `plot`");
     }
+    if args.ids_out.is_some() != (args.scenario == Scenario::Workload) {
+        bail!("--ids-out is where `kvsnap bench workload` writes, and it needs one");
+    }
     let load_before = load_average();
     let mut out = match args.scenario {
         Scenario::Plot => return plot_only(&args),
+        Scenario::Workload => return write_workload(&args),
         Scenario::Limits => {
             let limits = limits::measure(args.bandwidth_bytes, args.sgemm_n);
             print_limits(&limits);
@@ -160,6 +173,34 @@ fn plot_only(args: &Args) -> anyhow::Result<ExitCode> {
     }
     plot::scaling_svg(path, &read_runs(&args.plot_with)?)?;
     eprintln!("wrote {}", path.display());
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `kvsnap bench workload`: writes the workload's ids, measures nothing.
+fn write_workload(args: &Args) -> anyhow::Result<ExitCode> {
+    let dir = args
+        .ids_out
+        .as_ref()
+        .context("--ids-out is checked in run")?;
+    let w = Workload::load(&args.goldens, &args.case)?;
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    for (name, ids) in [
+        ("prefix", &w.prefix),
+        ("utterance", &w.utterance),
+        ("greedy", &w.greedy),
+    ] {
+        let path = dir.join(format!("{name}.ids"));
+        let text: String = ids.iter().map(|id| format!("{id}\n")).collect();
+        std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))?;
+    }
+    eprintln!(
+        "`{}`: {}-token prefix, {}-token utterance, {} greedy tokens -> {}",
+        w.case,
+        w.prefix.len(),
+        w.utterance.len(),
+        w.greedy.len(),
+        dir.display()
+    );
     Ok(ExitCode::SUCCESS)
 }
 
@@ -469,6 +510,58 @@ mod tests {
         assert_eq!(w.utterance.len(), 22);
         assert_eq!(w.utterance[0], START_OF_TURN);
         assert_eq!(w.prompt().len(), 882);
+    }
+
+    /// `kvsnap bench ARGS...`, parsed as the CLI parses it.
+    fn parse(argv: &[&str]) -> Args {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            args: Args,
+        }
+        let argv = std::iter::once("bench").chain(argv.iter().copied());
+        <Cli as clap::Parser>::try_parse_from(argv).unwrap().args
+    }
+
+    fn read_ids(path: &Path) -> Vec<u32> {
+        let text = std::fs::read_to_string(path).unwrap();
+        text.lines().map(|l| l.parse().unwrap()).collect()
+    }
+
+    #[test]
+    fn workload_ids_are_the_split_prompt_and_the_oracle_continuation() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let goldens = root.join("goldens/gemma-3-270m.visible.json");
+        let dir = std::env::temp_dir().join(format!("kvsnap-workload-{}", std::process::id()));
+        let args = parse(&[
+            "workload",
+            "--goldens",
+            goldens.to_str().unwrap(),
+            "--ids-out",
+            dir.to_str().unwrap(),
+        ]);
+        run(args).unwrap();
+        let (prefix, utterance) = (
+            read_ids(&dir.join("prefix.ids")),
+            read_ids(&dir.join("utterance.ids")),
+        );
+        let greedy = read_ids(&dir.join("greedy.ids"));
+        std::fs::remove_dir_all(&dir).unwrap();
+
+        let set = GoldenSet::load(&goldens).unwrap();
+        let case = set.select(&["catalog_tv"]).unwrap().remove(0);
+        assert_eq!([prefix.as_slice(), &utterance].concat(), case.ids);
+        assert_eq!(greedy, case.greedy);
+        assert_eq!(utterance[0], START_OF_TURN);
+        assert_eq!(utterance.iter().filter(|&&t| t == START_OF_TURN).count(), 2);
+    }
+
+    #[test]
+    fn ids_out_belongs_to_the_workload_scenario_only() {
+        let err = run(parse(&["limits", "--ids-out", "x"])).unwrap_err();
+        assert!(err.to_string().contains("--ids-out"), "{err}");
+        let err = run(parse(&["workload"])).unwrap_err();
+        assert!(err.to_string().contains("--ids-out"), "{err}");
     }
 
     #[test]
