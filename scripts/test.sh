@@ -3,7 +3,7 @@
 # release with the real model required, then the golden parity runs through the CLI.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-# The run needs about 4 GB of disk (target/ 1.2, .venv/ 0.9, models/ 1.3, downloads): say
+# The run needs about 3.5 GB of disk (target/ 0.9, .venv/ 0.9, models/ 1.3, downloads): say
 # up front how much there is, so that a run that fills the disk reads as what it is.
 df -h "$ROOT" | awk 'NR == 2 { print "test.sh: " $4 " of disk free under " $6 }'
 source "$ROOT/scripts/setup.sh"
