@@ -548,7 +548,7 @@ impl<'a> Forward<'a> {
             }
             LayerKind::Global => {
                 let (k_buf, v_buf) = self.write_rows(&k, &v, k_buf, v_buf, &ch.pos0);
-                let spans = if self.opts.branches {
+                let spans = if self.opts.branches_for(c) {
                     global_spans(cfg.context_capacity, c)
                 } else {
                     vec![cfg.context_capacity]
@@ -691,7 +691,8 @@ impl<'a> Forward<'a> {
     }
 
     /// [`Forward::head`] where `flag` (`[]` i32) is nonzero, else `next` 0 and zero logits;
-    /// only the taken branch runs. Without [`GraphOptions::branches`], the head, whatever `flag`.
+    /// only the taken branch runs. Where the chunk does not branch
+    /// ([`GraphOptions::branches_for`]), the head, whatever `flag`.
     pub fn head_if(
         &mut self,
         flag: &Value,
@@ -700,7 +701,7 @@ impl<'a> Forward<'a> {
         norm: &Value,
         embed: &Value,
     ) -> (Value, Value) {
-        if !self.opts.branches {
+        if !self.opts.branches_for(ch.c) {
             return self.head(ch, x, norm, embed);
         }
         let zero = self.i32(0, &[]);

@@ -28,8 +28,8 @@
 //!   kept as a snapshot (copy it).
 //! - `next` is the argmax of the last valid row's logits (lowest index wins ties), computed on
 //!   the device in two stages; `logits` are that row's only. No `C x vocab` tensor exists.
-//! - `head` 0 skips the head (a `stablehlo.if`, in modules built with
-//!   [`GraphOptions::branches`]): `next` is 0 and `logits` zeros. The head streams the whole
+//! - `head` 0 skips the head (a `stablehlo.if`, in the chunks that branch,
+//!   [`GraphOptions::branches_for`]): `next` is 0 and `logits` zeros. The head streams the whole
 //!   embedding table, as much as the 18 layers' weights: a prefill asks for it in its last chunk
 //!   only.
 //!
@@ -86,11 +86,13 @@ pub fn entry_name(input: Input, chunk: usize) -> String {
 pub struct GraphOptions {
     /// Layout of the matrix arguments (the embedding table and the projections).
     pub layout: WeightLayout,
-    /// Skip work with `stablehlo.if`: the head where the `head` argument is 0, and global
-    /// attention beyond the live span (`Forward::attend_live`). Without branches the head
-    /// always runs (`head` is ignored) and global layers attend over the whole capacity. Each
-    /// branch reads its predicate back to the host: cheap on llvm-cpu, a queue round trip on
-    /// Vulkan (with branches the H200's decode step took 63 ms instead of 42).
+    /// Skip work with `stablehlo.if` in chunks of more than one row ([`GraphOptions::branches_for`]):
+    /// the head where the `head` argument is 0, and global attention beyond the live span
+    /// (`Forward::attend_live`). Without branches the head always runs (`head` is ignored) and
+    /// global layers attend over the whole capacity. Each branch reads its predicate back to
+    /// the host, a queue round trip: on Vulkan it cost more than the work it skipped (the H200's
+    /// decode step took 63 ms with branches instead of 42), on llvm-cpu it pays off only where
+    /// the skipped work is large.
     pub branches: bool,
 }
 
@@ -109,6 +111,17 @@ impl GraphOptions {
             layout: WeightLayout::Rows,
             branches: false,
         }
+    }
+
+    /// Whether the entry point for chunks of `c` rows branches: with [`GraphOptions::branches`],
+    /// from two rows up. A decode step's one row skips little (the head is always wanted, and a
+    /// global layer's whole capacity is a few MB of keys and values) while its predicates cost
+    /// a queue round trip each, about seven per step at the catalog's length: on 2 cores of a
+    /// Zen 5 host its step ran 1-12 ms faster without them (docs/BENCHMARKS.md, eleventh pass).
+    /// A prefill chunk of 64 rows skips a 671 MB head and three quarters of three global
+    /// layers' attention, so there they stay.
+    pub fn branches_for(self, c: usize) -> bool {
+        self.branches && c > 1
     }
 }
 
@@ -187,7 +200,7 @@ fn attention_products(
         if m < 64 || !m.is_multiple_of(8) {
             continue;
         }
-        let spans = if opts.branches {
+        let spans = if opts.branches_for(c) {
             forward::global_spans(cfg.context_capacity, c)
         } else {
             vec![cfg.context_capacity]
