@@ -22,6 +22,9 @@ pub const COMPILER_ENV: &str = "KVSNAP_IREE_COMPILE";
 pub const CACHE_DIR_ENV: &str = "KVSNAP_CACHE_DIR";
 /// The compiler release line the runtime accepts.
 pub const REQUIRED_VERSION_PREFIX: &str = "3.13.";
+/// Environment variable naming IREE's Vulkan target for [`Target::VulkanSpirv`] compiles
+/// (`--iree-vulkan-target`, see [`Compiler::with_vulkan_target`]).
+pub const VULKAN_TARGET_ENV: &str = "KVSNAP_VULKAN_TARGET";
 
 /// How much of the compiler's stderr an error keeps (the tail holds the diagnostic).
 const STDERR_TAIL_BYTES: usize = 6000;
@@ -40,7 +43,8 @@ const STALL_RESTARTS: usize = 1;
 pub enum Target {
     /// Host CPU code for the `local-task` driver.
     LlvmCpu,
-    /// SPIR-V for the `vulkan` driver (default target environment of IREE 3.13).
+    /// SPIR-V for the `vulkan` driver: IREE 3.13's default target environment, which runs on
+    /// any Vulkan 1.x device, or a GPU's own ([`Compiler::with_vulkan_target`]).
     VulkanSpirv,
 }
 
@@ -230,6 +234,8 @@ pub struct Compiler {
     version: String,
     cache_dir: PathBuf,
     extra_flags: Vec<String>,
+    /// See [`Compiler::with_vulkan_target`].
+    vulkan_target: Option<String>,
     /// See [`Compiler::with_stall_limit`].
     stall_limit: Duration,
 }
@@ -245,7 +251,8 @@ fn tool_error(op: impl Into<String>, status: impl Into<String>) -> Error {
 impl Compiler {
     /// Finds `iree-compile`: `$KVSNAP_IREE_COMPILE`, else `.venv/bin/iree-compile` in the current
     /// directory or one of its parents (or the workspace this crate was built in), else `PATH`.
-    /// Checks that it is a 3.13.x compiler.
+    /// Checks that it is a 3.13.x compiler. `$KVSNAP_VULKAN_TARGET`, where set, is its Vulkan
+    /// target ([`Compiler::with_vulkan_target`]).
     pub fn discover() -> Result<Self> {
         let exe = find_compiler().ok_or_else(|| {
             tool_error(
@@ -256,7 +263,8 @@ impl Compiler {
                 ),
             )
         })?;
-        Self::with_executable(exe)
+        let vulkan_target = std::env::var(VULKAN_TARGET_ENV).ok();
+        Self::with_executable(exe)?.with_vulkan_target(vulkan_target.as_deref())
     }
 
     /// Uses the given `iree-compile` executable after checking its version.
@@ -279,8 +287,47 @@ impl Compiler {
             version,
             cache_dir: default_cache_dir(),
             extra_flags: Vec::new(),
+            vulkan_target: None,
             stall_limit: STALL_LIMIT,
         })
+    }
+
+    /// Compiles [`Target::VulkanSpirv`] modules for one GPU's SPIR-V environment
+    /// (`--iree-vulkan-target`): an architecture (`ampere`, `ada`, `rdna3`, `valhall4`,
+    /// `adreno`), an LLVM-style name (`sm_86`, `gfx1100`) or a product (`rtx4090`). `None` or
+    /// an empty name keeps IREE's default environment, which runs on any Vulkan device
+    /// (lavapipe included) but leaves a GPU's subgroups and wide loads unused: on the H200 the
+    /// catalog's decode step took 42.5 ms with it and 16.6 ms compiled for `ampere`
+    /// (docs/BENCHMARKS.md). A module for one GPU may not run on another. The name is part of
+    /// the cache key; one IREE does not know fails the compile with IREE's message. A name with
+    /// other characters than letters, digits, `_`, `-` and `.` is refused here.
+    pub fn with_vulkan_target(mut self, name: Option<&str>) -> Result<Self> {
+        self.vulkan_target = match name.map(str::trim) {
+            None | Some("") => None,
+            Some(name)
+                if name
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "_-.".contains(c)) =>
+            {
+                Some(name.to_string())
+            }
+            Some(name) => {
+                return Err(tool_error(
+                    "choose the Vulkan target",
+                    format!(
+                        "`{name}` is not a Vulkan target name ({VULKAN_TARGET_ENV} or \
+                         --vulkan-target): expected a GPU architecture or product such as \
+                         `ampere`, `rdna3`, `valhall4` or `rtx4090`"
+                    ),
+                ))
+            }
+        };
+        Ok(self)
+    }
+
+    /// The Vulkan target of [`Compiler::with_vulkan_target`], if any.
+    pub fn vulkan_target(&self) -> Option<&str> {
+        self.vulkan_target.as_deref()
     }
 
     /// How long the compiler's processes may use no CPU before the compile counts as hung and
@@ -321,9 +368,13 @@ impl Compiler {
         &self.cache_dir
     }
 
-    /// The full flag list for `target` (target flags, then extra flags).
+    /// The full flag list for `target` (target flags, the Vulkan target where it applies, then
+    /// extra flags).
     pub fn flags(&self, target: Target) -> Vec<String> {
         let mut flags = target.flags();
+        if let (Target::VulkanSpirv, Some(name)) = (target, &self.vulkan_target) {
+            flags.push(format!("--iree-vulkan-target={name}"));
+        }
         flags.extend(self.extra_flags.iter().cloned());
         flags
     }

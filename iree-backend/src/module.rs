@@ -31,6 +31,10 @@ pub struct ModuleInfo {
     pub mlir_sha256: String,
     /// `iree-compile --version` of the compiler that made it.
     pub compiler: String,
+    /// The GPU a Vulkan module was compiled for (`--iree-vulkan-target`); absent: IREE's
+    /// default SPIR-V environment, or a CPU module.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vulkan_target: Option<String>,
 }
 
 /// Paths of the three files of `target` in `dir`.
@@ -47,8 +51,16 @@ pub fn mlir_sha256(mlir: &str) -> String {
         .collect()
 }
 
-/// Writes the module of `target` into `dir` (created if missing).
-pub fn write(dir: &Path, target: Target, mlir: &str, vmfb: &[u8], compiler: &str) -> Result<()> {
+/// Writes the module of `target` into `dir` (created if missing), made by the compiler of
+/// version `compiler` for the Vulkan target `vulkan_target` (recorded for Vulkan modules only).
+pub fn write(
+    dir: &Path,
+    target: Target,
+    mlir: &str,
+    vmfb: &[u8],
+    compiler: &str,
+    vulkan_target: Option<&str>,
+) -> Result<()> {
     std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
     let (mlir_path, vmfb_path, json_path) = paths(dir, target);
     let info = ModuleInfo {
@@ -56,6 +68,10 @@ pub fn write(dir: &Path, target: Target, mlir: &str, vmfb: &[u8], compiler: &str
         target: target.name().into(),
         mlir_sha256: mlir_sha256(mlir),
         compiler: compiler.into(),
+        vulkan_target: match target {
+            Target::VulkanSpirv => vulkan_target.map(str::to_string),
+            Target::LlvmCpu => None,
+        },
     };
     let json = serde_json::to_string_pretty(&info).expect("ModuleInfo serialises");
     for (path, bytes) in [
@@ -77,12 +93,23 @@ pub fn export(
     target: Target,
     progress: &mut dyn FnMut(&crate::compile::CompileProgress),
 ) -> Result<(crate::graphs::Graphs, crate::compile::Compiled)> {
+    let compiler = crate::compile::Compiler::discover()?;
+    export_with(&compiler, dir, cfg, target, progress)
+}
+
+/// [`export`] with `compiler` (its cache, its Vulkan target).
+pub fn export_with(
+    compiler: &crate::compile::Compiler,
+    dir: &Path,
+    cfg: &kvsnap_contract::ModelConfig,
+    target: Target,
+    progress: &mut dyn FnMut(&crate::compile::CompileProgress),
+) -> Result<(crate::graphs::Graphs, crate::compile::Compiled)> {
     let opts = crate::IreeOptions {
         target,
         ..crate::IreeOptions::cpu()
     };
     let graphs = crate::model_graphs(cfg, &opts);
-    let compiler = crate::compile::Compiler::discover()?;
     let compiled = compiler.compile_tuned(
         &graphs.mlir,
         graphs.tuning_spec.as_deref(),
@@ -95,6 +122,7 @@ pub fn export(
         &graphs.mlir,
         &compiled.vmfb,
         compiler.version(),
+        compiler.vulkan_target(),
     )?;
     let spec_path = dir.join(format!("kvsnap.{}.tuning.mlir", target.name()));
     match &graphs.tuning_spec {
@@ -145,8 +173,40 @@ mod tests {
     #[test]
     fn round_trip_and_mismatch() {
         let dir = std::env::temp_dir().join(format!("kvsnap-module-{}", std::process::id()));
-        write(&dir, Target::LlvmCpu, "module {}", b"vmfb", "test").unwrap();
+        write(
+            &dir,
+            Target::LlvmCpu,
+            "module {}",
+            b"vmfb",
+            "test",
+            Some("ampere"),
+        )
+        .unwrap();
         assert_eq!(read(&dir, Target::LlvmCpu, "module {}").unwrap(), b"vmfb");
+        // A Vulkan target is recorded for Vulkan modules only.
+        let info = |target| -> ModuleInfo {
+            let text = std::fs::read_to_string(paths(&dir, target).2).unwrap();
+            serde_json::from_str(&text).unwrap()
+        };
+        assert_eq!(info(Target::LlvmCpu).vulkan_target, None);
+        write(
+            &dir,
+            Target::VulkanSpirv,
+            "module {}",
+            b"spv",
+            "test",
+            Some("ampere"),
+        )
+        .unwrap();
+        assert_eq!(
+            info(Target::VulkanSpirv).vulkan_target.as_deref(),
+            Some("ampere")
+        );
+        assert_eq!(
+            read(&dir, Target::VulkanSpirv, "module {}").unwrap(),
+            b"spv"
+        );
+        std::fs::remove_file(paths(&dir, Target::VulkanSpirv).2).unwrap();
         let e = read(&dir, Target::LlvmCpu, "module { other }").unwrap_err();
         assert!(
             e.to_string().contains("compiled for another model config"),

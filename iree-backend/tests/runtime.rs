@@ -688,6 +688,81 @@ fn compile_errors_carry_the_compiler_text_and_versions_are_checked() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+#[test]
+fn a_vulkan_target_is_a_flag_of_vulkan_compiles_and_part_of_their_cache_key() {
+    let dir = std::env::temp_dir().join(format!("kvsnap-vk-target-{}", std::process::id()));
+    let generic = compiler().clone().with_cache_dir(&dir);
+    let ampere = generic.clone().with_vulkan_target(Some("ampere")).unwrap();
+    let target_flags = |c: &Compiler, t: Target| -> Vec<String> {
+        c.flags(t)
+            .into_iter()
+            .filter(|f| f.starts_with("--iree-vulkan-target"))
+            .collect()
+    };
+    assert_eq!(ampere.vulkan_target(), Some("ampere"));
+    assert_eq!(
+        target_flags(&ampere, Target::VulkanSpirv),
+        ["--iree-vulkan-target=ampere"]
+    );
+    assert!(target_flags(&generic, Target::VulkanSpirv).is_empty());
+    // CPU compiles do not see it: same flags, same cache entry.
+    assert_eq!(
+        ampere.flags(Target::LlvmCpu),
+        generic.flags(Target::LlvmCpu)
+    );
+    assert_eq!(
+        ampere.cache_key(ADD, Target::LlvmCpu),
+        generic.cache_key(ADD, Target::LlvmCpu)
+    );
+    assert_ne!(
+        ampere.cache_key(ADD, Target::VulkanSpirv),
+        generic.cache_key(ADD, Target::VulkanSpirv)
+    );
+    // An empty name is no target.
+    let empty = generic.clone().with_vulkan_target(Some(" ")).unwrap();
+    assert_eq!(empty.vulkan_target(), None);
+
+    // A name that could smuggle other flags is refused before any compile, and named.
+    let (op, status) = backend_text(
+        generic
+            .clone()
+            .with_vulkan_target(Some("ampere --iree-opt-level=O0"))
+            .unwrap_err(),
+    );
+    assert!(op.contains("Vulkan target"), "{op}");
+    assert!(
+        status.contains("`ampere --iree-opt-level=O0` is not a Vulkan target name"),
+        "{status}"
+    );
+
+    // A name IREE does not know fails the compile with IREE's own message.
+    let unknown = generic
+        .clone()
+        .with_vulkan_target(Some("no_such_gpu"))
+        .unwrap();
+    let (op, status) = backend_text(
+        unknown
+            .compile(ADD, Target::VulkanSpirv, &mut |_| {})
+            .unwrap_err(),
+    );
+    assert!(op.contains("vulkan-spirv"), "{op}");
+    assert!(
+        status.contains("Unknown Vulkan target 'no_such_gpu'"),
+        "{status}"
+    );
+
+    // A known one compiles, into SPIR-V of its own.
+    let for_ampere = ampere
+        .compile(ADD, Target::VulkanSpirv, &mut |_| {})
+        .unwrap();
+    let for_any = generic
+        .compile(ADD, Target::VulkanSpirv, &mut |_| {})
+        .unwrap();
+    assert!(!for_ampere.cache_hit && !for_any.cache_hit);
+    assert_ne!(for_ampere.vmfb, for_any.vmfb);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// A fake `iree-compile` 3.13 that hangs without using CPU on its first `hangs` runs (a child
 /// `sleep`, as the real compiler's threads all waiting on futexes) and then writes a vmfb.
 #[cfg(target_os = "linux")]

@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context};
 use kvsnap_contract::ModelConfig;
-use kvsnap_iree::compile::Target;
+use kvsnap_iree::compile::{Compiler, Target};
 use kvsnap_iree::module;
 
 /// Arguments of `kvsnap export`.
@@ -26,6 +26,11 @@ pub struct Args {
     /// Context capacity in tokens (default: the config's default).
     #[arg(long)]
     capacity: Option<usize>,
+    /// `vulkan-spirv` only: the GPU to compile for (IREE's `--iree-vulkan-target`: `ampere`,
+    /// `ada`, `rdna3`, `valhall4`, `rtx4090`, ...). Default: $KVSNAP_VULKAN_TARGET, else IREE's
+    /// generic SPIR-V environment, which runs on any Vulkan device but slower.
+    #[arg(long)]
+    vulkan_target: Option<String>,
 }
 
 /// Builds, compiles (through the cache) and writes the module.
@@ -35,10 +40,28 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         "vulkan-spirv" | "vulkan" => Target::VulkanSpirv,
         other => bail!("unknown target `{other}` (known: llvm-cpu, vulkan-spirv)"),
     };
+    if args.vulkan_target.is_some() && target != Target::VulkanSpirv {
+        bail!("--vulkan-target applies to `--target vulkan-spirv` only");
+    }
     let cfg = ModelConfig::from_dir(&args.model, args.capacity)?;
+    let mut compiler = Compiler::discover()?;
+    if let Some(name) = &args.vulkan_target {
+        compiler = compiler.with_vulkan_target(Some(name))?;
+    }
+    if target == Target::VulkanSpirv {
+        match compiler.vulkan_target() {
+            Some(name) => eprintln!("compiling for the Vulkan target `{name}`"),
+            None => eprintln!(
+                "compiling for IREE's generic SPIR-V environment (any Vulkan device; \
+                 --vulkan-target names a GPU and runs faster on it)"
+            ),
+        }
+    }
     let start = Instant::now();
-    let (graphs, compiled) = module::export(&args.out, &cfg, target, &mut |p| eprintln!("{p}"))
-        .with_context(|| format!("exporting the module to {}", args.out.display()))?;
+    let (graphs, compiled) = module::export_with(&compiler, &args.out, &cfg, target, &mut |p| {
+        eprintln!("{p}")
+    })
+    .with_context(|| format!("exporting the module to {}", args.out.display()))?;
     let (mlir, vmfb, json) = module::paths(&args.out, target);
     println!(
         "exported {} ({} KB of MLIR, {} entry points) and {} ({:.1} MB) in {:.1} s; {}",
