@@ -2,7 +2,8 @@
 //! without the IREE compiler, as on a phone or a GPU machine without Python.
 //!
 //! A directory holds, per target, `kvsnap.<target>.mlir`, `kvsnap.<target>.vmfb` and
-//! `kvsnap.<target>.json` (format, target, sha256 of the MLIR, compiler version), and
+//! `kvsnap.<target>.json` (format, target, sha256 of the MLIR, compiler version, the GPU a Vulkan
+//! module was compiled for, if one), and
 //! `kvsnap.<target>.tuning.mlir` when the module was compiled with a tuning spec (to repeat the
 //! compile by hand: `--iree-codegen-tuning-spec-path`). Loading checks
 //! that the module was compiled from exactly the MLIR this model's config produces, so a module
