@@ -137,9 +137,9 @@ pub fn export_with(
     Ok((graphs, compiled))
 }
 
-/// Reads the vmfb of `target` from `dir`, checking it was compiled from `mlir`.
-pub fn read(dir: &Path, target: Target, mlir: &str) -> Result<Vec<u8>> {
-    let (_, vmfb_path, json_path) = paths(dir, target);
+/// The description of the module of `target` in `dir`, checked to be one (format and target).
+pub fn info(dir: &Path, target: Target) -> Result<ModuleInfo> {
+    let json_path = paths(dir, target).2;
     let bad = |problem: String| Error::Format {
         path: json_path.clone(),
         format: "kvsnap IREE module",
@@ -156,6 +156,18 @@ pub fn read(dir: &Path, target: Target, mlir: &str) -> Result<Vec<u8>> {
             target.name()
         )));
     }
+    Ok(info)
+}
+
+/// Reads the vmfb of `target` from `dir`, checking it was compiled from `mlir`.
+pub fn read(dir: &Path, target: Target, mlir: &str) -> Result<Vec<u8>> {
+    let (_, vmfb_path, json_path) = paths(dir, target);
+    let bad = |problem: String| Error::Format {
+        path: json_path.clone(),
+        format: "kvsnap IREE module",
+        problem,
+    };
+    let info = info(dir, target)?;
     let want = mlir_sha256(mlir);
     if info.mlir_sha256 != want {
         return Err(bad(format!(
@@ -190,6 +202,10 @@ mod tests {
             serde_json::from_str(&text).unwrap()
         };
         assert_eq!(info(Target::LlvmCpu).vulkan_target, None);
+        assert_eq!(
+            super::info(&dir, Target::LlvmCpu).unwrap(),
+            info(Target::LlvmCpu)
+        );
         write(
             &dir,
             Target::VulkanSpirv,

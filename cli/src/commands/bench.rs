@@ -28,7 +28,7 @@ use kvsnap_contract::KvModel;
 use kvsnap_parity::GoldenSet;
 use serde_json::{json, Value};
 
-use super::backend::{with_model, Backend};
+use super::backend::{vulkan_target, with_model, Backend};
 use floor::CostModel;
 use limits::Limits;
 
@@ -299,6 +299,10 @@ fn run_model<M: KvModel>(
     );
     fields.insert("cpu_share".into(), json!(cpu_share));
     fields.insert("peak_rss_reset".into(), json!(rss_reset));
+    if args.backend == Backend::IreeVulkan {
+        // Which SPIR-V the figures are of: null is IREE's generic environment.
+        fields.insert("vulkan_target".into(), json!(vulkan_target(args.backend)?));
+    }
     Ok(out)
 }
 
