@@ -248,6 +248,35 @@ fn tool_error(op: impl Into<String>, status: impl Into<String>) -> Error {
     }
 }
 
+/// `name` as a Vulkan target ([`Compiler::with_vulkan_target`]): trimmed, `None` when absent or
+/// empty, refused unless made of letters, digits, `_`, `-` and `.`.
+fn vulkan_target_name(name: Option<&str>) -> Result<Option<String>> {
+    match name.map(str::trim) {
+        None | Some("") => Ok(None),
+        Some(name)
+            if name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || "_-.".contains(c)) =>
+        {
+            Ok(Some(name.to_string()))
+        }
+        Some(name) => Err(tool_error(
+            "choose the Vulkan target",
+            format!(
+                "`{name}` is not a Vulkan target name ({VULKAN_TARGET_ENV} or \
+                 --vulkan-target): expected a GPU architecture or product such as \
+                 `ampere`, `rdna3`, `valhall4` or `rtx4090`"
+            ),
+        )),
+    }
+}
+
+/// The Vulkan target `$KVSNAP_VULKAN_TARGET` names, checked as [`Compiler::with_vulkan_target`]
+/// checks it; `None` when unset or empty.
+pub fn vulkan_target_from_env() -> Result<Option<String>> {
+    vulkan_target_name(std::env::var(VULKAN_TARGET_ENV).ok().as_deref())
+}
+
 impl Compiler {
     /// Finds `iree-compile`: `$KVSNAP_IREE_COMPILE`, else `.venv/bin/iree-compile` in the current
     /// directory or one of its parents (or the workspace this crate was built in), else `PATH`.
@@ -263,8 +292,7 @@ impl Compiler {
                 ),
             )
         })?;
-        let vulkan_target = std::env::var(VULKAN_TARGET_ENV).ok();
-        Self::with_executable(exe)?.with_vulkan_target(vulkan_target.as_deref())
+        Self::with_executable(exe)?.with_vulkan_target(vulkan_target_from_env()?.as_deref())
     }
 
     /// Uses the given `iree-compile` executable after checking its version.
@@ -302,26 +330,7 @@ impl Compiler {
     /// the cache key; one IREE does not know fails the compile with IREE's message. A name with
     /// other characters than letters, digits, `_`, `-` and `.` is refused here.
     pub fn with_vulkan_target(mut self, name: Option<&str>) -> Result<Self> {
-        self.vulkan_target = match name.map(str::trim) {
-            None | Some("") => None,
-            Some(name)
-                if name
-                    .chars()
-                    .all(|c| c.is_ascii_alphanumeric() || "_-.".contains(c)) =>
-            {
-                Some(name.to_string())
-            }
-            Some(name) => {
-                return Err(tool_error(
-                    "choose the Vulkan target",
-                    format!(
-                        "`{name}` is not a Vulkan target name ({VULKAN_TARGET_ENV} or \
-                         --vulkan-target): expected a GPU architecture or product such as \
-                         `ampere`, `rdna3`, `valhall4` or `rtx4090`"
-                    ),
-                ))
-            }
-        };
+        self.vulkan_target = vulkan_target_name(name)?;
         Ok(self)
     }
 

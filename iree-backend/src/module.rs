@@ -137,14 +137,19 @@ pub fn export_with(
     Ok((graphs, compiled))
 }
 
+/// The typed error for a module description at `json_path` that is not what it must be.
+fn bad_module(json_path: &Path, problem: String) -> Error {
+    Error::Format {
+        path: json_path.to_path_buf(),
+        format: "kvsnap IREE module",
+        problem,
+    }
+}
+
 /// The description of the module of `target` in `dir`, checked to be one (format and target).
 pub fn info(dir: &Path, target: Target) -> Result<ModuleInfo> {
     let json_path = paths(dir, target).2;
-    let bad = |problem: String| Error::Format {
-        path: json_path.clone(),
-        format: "kvsnap IREE module",
-        problem,
-    };
+    let bad = |problem: String| bad_module(&json_path, problem);
     let text = std::fs::read_to_string(&json_path).map_err(|e| Error::io(&json_path, e))?;
     let info: ModuleInfo =
         serde_json::from_str(&text).map_err(|e| bad(format!("not a module description: {e}")))?;
@@ -162,19 +167,17 @@ pub fn info(dir: &Path, target: Target) -> Result<ModuleInfo> {
 /// Reads the vmfb of `target` from `dir`, checking it was compiled from `mlir`.
 pub fn read(dir: &Path, target: Target, mlir: &str) -> Result<Vec<u8>> {
     let (_, vmfb_path, json_path) = paths(dir, target);
-    let bad = |problem: String| Error::Format {
-        path: json_path.clone(),
-        format: "kvsnap IREE module",
-        problem,
-    };
     let info = info(dir, target)?;
     let want = mlir_sha256(mlir);
     if info.mlir_sha256 != want {
-        return Err(bad(format!(
-            "compiled for another model config (MLIR sha256 {}, this model's graphs are {want}): \
-             re-run `kvsnap export` for this model",
-            info.mlir_sha256
-        )));
+        return Err(bad_module(
+            &json_path,
+            format!(
+                "compiled for another model config (MLIR sha256 {}, this model's graphs are \
+                 {want}): re-run `kvsnap export` for this model",
+                info.mlir_sha256
+            ),
+        ));
     }
     std::fs::read(&vmfb_path).map_err(|e| Error::io(&vmfb_path, e))
 }
@@ -197,14 +200,14 @@ mod tests {
         .unwrap();
         assert_eq!(read(&dir, Target::LlvmCpu, "module {}").unwrap(), b"vmfb");
         // A Vulkan target is recorded for Vulkan modules only.
-        let info = |target| -> ModuleInfo {
+        let recorded = |target| -> ModuleInfo {
             let text = std::fs::read_to_string(paths(&dir, target).2).unwrap();
             serde_json::from_str(&text).unwrap()
         };
-        assert_eq!(info(Target::LlvmCpu).vulkan_target, None);
+        assert_eq!(recorded(Target::LlvmCpu).vulkan_target, None);
         assert_eq!(
-            super::info(&dir, Target::LlvmCpu).unwrap(),
-            info(Target::LlvmCpu)
+            info(&dir, Target::LlvmCpu).unwrap(),
+            recorded(Target::LlvmCpu)
         );
         write(
             &dir,
@@ -216,7 +219,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!(
-            info(Target::VulkanSpirv).vulkan_target.as_deref(),
+            recorded(Target::VulkanSpirv).vulkan_target.as_deref(),
             Some("ampere")
         );
         assert_eq!(

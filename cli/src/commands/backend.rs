@@ -70,21 +70,15 @@ pub fn iree_options(backend: Backend) -> anyhow::Result<kvsnap_iree::IreeOptions
     Ok(opts)
 }
 
-/// The GPU `backend`'s Vulkan module is compiled for, as loading picks it: the `vulkan_target`
-/// recorded in the `KVSNAP_MODULE_DIR` module, else `$KVSNAP_VULKAN_TARGET`. `None` for IREE's
-/// generic SPIR-V and for the other backends.
-pub fn vulkan_target(backend: Backend) -> anyhow::Result<Option<String>> {
-    use kvsnap_iree::compile::{Target, VULKAN_TARGET_ENV};
-    if backend != Backend::IreeVulkan {
-        return Ok(None);
-    }
+/// The GPU the `iree-vulkan` module is compiled for, as loading picks it: the `vulkan_target`
+/// recorded in the `KVSNAP_MODULE_DIR` module, else `$KVSNAP_VULKAN_TARGET`. `None`: IREE's
+/// generic SPIR-V.
+pub fn vulkan_target() -> anyhow::Result<Option<String>> {
+    use kvsnap_iree::compile::{vulkan_target_from_env, Target};
     if let Some(dir) = std::env::var_os("KVSNAP_MODULE_DIR") {
         return Ok(kvsnap_iree::module::info(dir.as_ref(), Target::VulkanSpirv)?.vulkan_target);
     }
-    Ok(std::env::var(VULKAN_TARGET_ENV)
-        .ok()
-        .map(|t| t.trim().to_string())
-        .filter(|t| !t.is_empty()))
+    Ok(vulkan_target_from_env()?)
 }
 
 /// Loads `$backend` from model dir `$dir` and evaluates `$body` with `$m` bound to `&model`.

@@ -301,7 +301,7 @@ fn run_model<M: KvModel>(
     fields.insert("peak_rss_reset".into(), json!(rss_reset));
     if args.backend == Backend::IreeVulkan {
         // Which SPIR-V the figures are of: null is IREE's generic environment.
-        fields.insert("vulkan_target".into(), json!(vulkan_target(args.backend)?));
+        fields.insert("vulkan_target".into(), json!(vulkan_target()?));
     }
     Ok(out)
 }
