@@ -1,6 +1,7 @@
 //! criterion micro-benchmarks of the reference kernels at Gemma 3 270M's shapes.
 //!
 //! - `matvec/*`: decode projections (one token) including the 640 -> 262144 head;
+//! - `head/*`: the greedy token of that head by the int8 screen (`kvsnap_reference::head`);
 //! - `matmul/*`: the same projections for a 22-token extend and an 860-token prefill, and the
 //!   prefill by the `gemm` crate (`matmul/gemm_crate_*`) beside the AVX-512 blocked GEMM;
 //! - `attention/*`: one decode query and a 32-query chunk over 64, 512 and 1024 keys (4 query
@@ -21,6 +22,7 @@ use std::path::PathBuf;
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use kvsnap_contract::{KvModel, Logits, ModelConfig};
 use kvsnap_reference::attention::{attention, AttnShape};
+use kvsnap_reference::head::TiedHead;
 use kvsnap_reference::kernels::{matmul, matmul_gemm_crate, matvec, rms_norm, FEW_ROWS};
 use kvsnap_reference::kv::KvSegment;
 use kvsnap_reference::tiny::{config_json, random_weights, Preset};
@@ -62,6 +64,27 @@ fn bench_matvec(c: &mut Criterion) {
             b.iter(|| matvec(black_box(&mut out), &x, &w, i, o))
         });
     }
+    g.finish();
+}
+
+/// The greedy token of the tied head without every logit: the int8 screen plus the rows it
+/// recomputes in f32 (`kvsnap_reference::head`), against the f32 head's matvec above. Bytes
+/// are the f32 table's, so the two throughputs compare as speed on the same head.
+fn bench_head(c: &mut Criterion) {
+    let mut g = c.benchmark_group("head");
+    g.sample_size(20);
+    let (i, o) = (640, 262_144);
+    let table = values(o * i, 1);
+    let head = TiedHead::new(&table, i);
+    // A hidden state with one clear winner, as a trained model's usually is.
+    let mut x = values(i, 2);
+    let winner = 4242;
+    x.copy_from_slice(&table[winner * i..(winner + 1) * i]);
+    assert_eq!(head.argmax(&table, &x), Some(winner as u32));
+    g.throughput(Throughput::Bytes((o * i * 4) as u64));
+    g.bench_function("argmax_640x262144", |b| {
+        b.iter(|| head.argmax(&table, black_box(&x)))
+    });
     g.finish();
 }
 
@@ -181,6 +204,7 @@ fn bench_snapshot(c: &mut Criterion) {
 criterion_group!(
     benches,
     bench_matvec,
+    bench_head,
     bench_matmul,
     bench_attention,
     bench_rms_norm,

@@ -5,6 +5,7 @@
 pub mod attention;
 pub mod blocks;
 pub mod gguf;
+pub mod head;
 pub mod kernels;
 pub mod kv;
 pub mod model;

@@ -7,6 +7,7 @@ use std::sync::OnceLock;
 use kvsnap_contract::{argmax, check, Error, KvModel, Logits, ModelConfig, Next, Result};
 
 use crate::blocks::{DecoderLayer, RmsNorm};
+use crate::head::TiedHead;
 use crate::kernels::{gather_rows, matvec};
 use crate::kv::ReferenceKv;
 use crate::weights::{Tensor, Weights};
@@ -15,6 +16,7 @@ use crate::weights::{Tensor, Weights};
 pub struct ReferenceModel {
     cfg: ModelConfig,
     embed_tokens: Tensor, // [vocab, hidden], also the tied LM head
+    head: TiedHead,       // bfloat16 copy of embed_tokens for the greedy token
     layers: Vec<DecoderLayer>,
     norm: RmsNorm, // [hidden]
     /// Test hook: `1 + layer` after which the next forward pass fails, 0 when disarmed.
@@ -44,9 +46,15 @@ impl ReferenceModel {
             .map(|i| DecoderLayer::load(&cfg, &w, i))
             .collect::<Result<Vec<_>>>()?;
         let norm = RmsNorm::load(&w, "model.norm", cfg.hidden_size, cfg.rms_norm_eps)?;
+        let head = TiedHead::new(&embed_tokens, cfg.hidden_size);
+        // Decode reads the bfloat16 copy; the f32 table serves embedding rows, the few rows the
+        // head recomputes and requested logits. Its pages, all read by the copy, need not stay
+        // in this process's RSS (advice: an error changes nothing).
+        let _ = embed_tokens.release_resident_pages();
         Ok(ReferenceModel {
             cfg,
             embed_tokens,
+            head,
             layers,
             norm,
             fault_after_layer: AtomicUsize::new(0),
@@ -116,10 +124,21 @@ impl ReferenceModel {
         Ok(self.head(&x[x.len() - self.cfg.hidden_size..], logits))
     }
 
-    /// Final norm and tied LM head of one position.
+    /// Final norm and tied LM head of one position: with [`Logits::Skip`] the greedy token by
+    /// [`TiedHead`] (half the bytes, the same token), otherwise every logit in f32.
     fn head(&self, last: &[f32], want: Logits) -> Next {
         let mut h = vec![0.0; last.len()];
         self.norm.forward(&mut h, last);
+        // A softcap's tanh can round distinct logits to one value, making a tie the pruned
+        // head does not see; Gemma 3 has none.
+        if want == Logits::Skip && self.cfg.final_logit_softcapping.is_none() {
+            if let Some(token) = self.head.argmax(&self.embed_tokens, &h) {
+                return Next {
+                    token,
+                    logits: None,
+                };
+            }
+        }
         let mut logits = vec![0.0; self.cfg.vocab_size];
         matvec(
             &mut logits,

@@ -232,7 +232,7 @@ fn run_model<M: KvModel>(
     args: &Args,
     scenario: ModelScenario,
 ) -> anyhow::Result<Value> {
-    let cost = CostModel::new(model.config());
+    let cost = CostModel::of(model);
     let before = limits::measure(args.bandwidth_bytes, args.sgemm_n);
     let rss_reset = reset_peak_rss();
     if !rss_reset {

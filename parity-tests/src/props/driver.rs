@@ -11,7 +11,9 @@
 //! inherited through snapshots. After every op that produced a result, the result is checked:
 //! 1. well formed: logits of vocab length, token their argmax, `len` equal to the history;
 //! 2. bit-exact against a replay of the slot's chunks on a fresh state (same backend): a
-//!    snapshot restored and continued must equal the run that never forked, bit for bit;
+//!    snapshot restored and continued must equal the run that never forked, bit for bit, and
+//!    its last chunk run again with [`Logits::Skip`] must give the same token (the greedy token
+//!    alone may be found another way: the reference's int8-screened head);
 //! 3. within [`Tolerance`] of a one-shot prefill of the whole history (same backend), tokens
 //!    equal unless the truth's margin is a near-tie: chunking invariance;
 //! 4. within tolerance of the reference backend's one-shot prefill (other backends only);
@@ -506,6 +508,13 @@ impl<'a, M: KvModel> Driver<'a, M> {
                     format!("failed: {e}"),
                 )
             })?;
+            let (replayed, skip_token) = replayed;
+            if skip_token != next.token {
+                return Err(fail(
+                    "the replay's last chunk run again with Logits::Skip (the greedy token alone)",
+                    format!("token {} with logits, {skip_token} without", next.token),
+                ));
+            }
             bit_exact(next, &replayed).map_err(|d| {
                 fail(
                     &format!(
@@ -596,26 +605,41 @@ impl<'a, M: KvModel> Driver<'a, M> {
         Ok(())
     }
 
-    /// Runs `chunks` on a fresh state of the backend; returns the last result.
-    fn replay(&self, chunks: &[Chunk]) -> kvsnap_contract::Result<Next> {
+    /// Runs `chunks` on a fresh state of the backend; returns the last result, and the token of
+    /// the last chunk run again with [`Logits::Skip`] (on a snapshot of the state before it, or
+    /// as a second prefill): the greedy token alone, which a backend may find another way
+    /// (the reference's int8-screened head), must be the same.
+    fn replay(&self, chunks: &[Chunk]) -> kvsnap_contract::Result<(Next, u32)> {
         let model = self.truths.model;
         let (first, rest) = chunks.split_first().expect("a slot has a first chunk");
-        let (mut kv, mut next) = match first {
-            Chunk::Prefill(ids) => model.prefill(ids, Logits::Return)?,
+        let start = |logits| match first {
+            Chunk::Prefill(ids) => model.prefill(ids, logits),
             Chunk::PrefillEmbeddings(ids) => {
-                model.prefill_embeddings(ids, &self.embedding_rows(ids, 0), Logits::Return)?
+                model.prefill_embeddings(ids, &self.embedding_rows(ids, 0), logits)
             }
             other => unreachable!("a slot starts with a prefill, not {other:?}"),
         };
-        for chunk in rest {
-            next = match chunk {
-                Chunk::Extend(ids) => model.extend(&mut kv, ids, Logits::Return)?,
-                Chunk::Step(id) => model.step(&mut kv, *id, Logits::Return)?,
-                other => unreachable!("a prefill only starts a slot, not {other:?}"),
-            };
+        let run = |kv: &mut M::Kv, chunk: &Chunk, logits| match chunk {
+            Chunk::Extend(ids) => model.extend(kv, ids, logits),
+            Chunk::Step(id) => model.step(kv, *id, logits),
+            other => unreachable!("a prefill only starts a slot, not {other:?}"),
+        };
+        let (mut kv, next) = start(Logits::Return)?;
+        let Some((last, middle)) = rest.split_last() else {
+            let (again, skip) = start(Logits::Skip)?;
+            model.release(again)?;
+            model.release(kv)?;
+            return Ok((next, skip.token));
+        };
+        for chunk in middle {
+            run(&mut kv, chunk, Logits::Return)?;
         }
+        let mut fork = model.snapshot(&kv)?;
+        let next = run(&mut kv, last, Logits::Return)?;
+        let skip = run(&mut fork, last, Logits::Skip)?;
+        model.release(fork)?;
         model.release(kv)?;
-        Ok(next)
+        Ok((next, skip.token))
     }
 
     /// `len()` of the state in live slot `s`, through the table.

@@ -8,7 +8,7 @@ use anyhow::ensure;
 use kvsnap_contract::{KvModel, Logits};
 use serde_json::{json, Value};
 
-use super::floor::CostModel;
+use super::floor::{CostModel, HeadRead};
 use super::limits::Limits;
 use super::{fmt_s, median, percentile, Workload};
 
@@ -262,7 +262,7 @@ pub fn measure<M: KvModel>(
     measure_stateless: bool,
 ) -> anyhow::Result<(Served, Stateless)> {
     let served = serve(model, w, prefill_reps, turns, steps)?;
-    let cost = CostModel::new(model.config());
+    let cost = CostModel::of(model);
     let stateless = stateless_turn(
         model,
         &cost,
@@ -319,6 +319,8 @@ impl Report {
         let floor_prefill = prefill.floor_s(limits);
         let floor_extend = extend_work.floor_s(limits);
         let floor_step = mid_step.floor_s(limits);
+        // The same step with every f32 weight of the head read: the f32 model's floor.
+        let f32_step = cost.with_head(HeadRead::F32).chunk(prompt + steps / 2, 1);
         let floor_turn = floor_extend
             + (0..steps)
                 .map(|s| cost.chunk(prompt + s, 1).floor_s(limits))
@@ -364,6 +366,9 @@ impl Report {
             "floor_prefix_prefill_s": floor_prefill,
             "prefix_prefill_flops": prefill.flops,
             "decode_step_bytes": mid_step.bytes,
+            "head_read": cost.head().name(),
+            "floor_decode_step_f32_head_s": f32_step.floor_s(limits),
+            "decode_step_f32_head_bytes": f32_step.bytes,
             "peak_rss_bytes": peak_rss,
             "weights_bytes": weights,
             "greedy_tokens": served.turns[0].tokens,
@@ -443,12 +448,15 @@ impl Report {
         );
         let footer = vec![
             format!(
-                "prefill {:.0} tok/s = {:.0}% of the SGEMM rate; decode {:.1} tok/s = {:.0}% of the read bandwidth ({:.0} MB per step)",
+                "prefill {:.0} tok/s = {:.0}% of the SGEMM rate; decode {:.1} tok/s = {:.0}% of the read bandwidth ({:.0} MB per step, head {}; {:.2}x the floor of the f32 head's {:.0} MB)",
                 np as f64 / prefill_s,
                 100.0 * floor_prefill / prefill_s,
                 1.0 / decode_step_s,
                 100.0 * floor_step / decode_step_s,
-                mid_step.bytes / 1e6
+                mid_step.bytes / 1e6,
+                cost.head().name(),
+                decode_step_s / f32_step.floor_s(limits),
+                f32_step.bytes / 1e6
             ),
             format!(
                 "limits ({} threads): read {:.2} GB/s, SGEMM {:.1} GFLOP/s; greedy tokens match the oracle for {greedy_ok}/{}",
@@ -543,7 +551,7 @@ mod tests {
         assert_eq!(served.kv_bytes, model.config().kv_bytes(w.prefix.len()));
         assert_eq!(served.live_kv_bytes, served.kv_bytes);
 
-        let cost = CostModel::new(model.config());
+        let cost = CostModel::of(&model);
         let tokens = &served.turns[0].tokens;
         let measured = stateless_turn(&model, &cost, &w.prompt(), tokens, true).unwrap();
         assert_eq!(measured.kind, "measured");

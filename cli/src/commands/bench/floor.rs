@@ -5,18 +5,53 @@
 //! head once (one position only: the head is sliced), and the K/V rows each query can see. Its
 //! floor is the roofline `max(bytes / read bandwidth, flops / SGEMM rate)`: a decode step is
 //! bound by the bytes, a long prefill by the FLOPs.
+//!
+//! The head's bytes depend on the backend ([`HeadRead`]): the reference backend finds the greedy
+//! token from an int8 copy of the table and recomputes a few rows in f32
+//! (`kvsnap_reference::head`), a quarter of the f32 table's bytes; the IREE graphs read the
+//! f32 table. Each figure is set against the floor of what its backend reads, and the catalog
+//! report also gives the floor of the f32 head.
 
-use kvsnap_contract::{LayerKind, ModelConfig};
+use kvsnap_contract::{KvModel, LayerKind, ModelConfig};
 
 use super::limits::Limits;
 
 /// Bytes of an f32.
 const F32: u64 = 4;
 
+/// How a backend's tied head reads its table when only the greedy token is wanted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HeadRead {
+    /// Every f32 weight of the table (the IREE graphs).
+    F32,
+    /// An int8 copy with a scale and an error bound per row, plus the rows it recomputes in
+    /// f32, counted as one (the reference backend; a few on the real model).
+    Int8Screen,
+}
+
+impl HeadRead {
+    /// What `backend` (a [`KvModel::backend`] name) reads.
+    pub fn of_backend(backend: &str) -> Self {
+        match backend {
+            "reference" => HeadRead::Int8Screen,
+            _ => HeadRead::F32,
+        }
+    }
+
+    /// The name the JSON reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            HeadRead::F32 => "f32",
+            HeadRead::Int8Screen => "int8-screen",
+        }
+    }
+}
+
 /// Parameter counts and shapes the cost model needs.
 #[derive(Clone, Debug)]
 pub struct CostModel {
     cfg: ModelConfig,
+    head: HeadRead,
 }
 
 /// Work of one forward call.
@@ -36,9 +71,30 @@ impl Work {
 }
 
 impl CostModel {
-    /// The cost model of `cfg`.
+    /// The cost model of `cfg` with an f32 head.
     pub fn new(cfg: &ModelConfig) -> Self {
-        CostModel { cfg: cfg.clone() }
+        CostModel {
+            cfg: cfg.clone(),
+            head: HeadRead::F32,
+        }
+    }
+
+    /// The cost model of `model`, its head read as its backend reads it.
+    pub fn of<M: KvModel>(model: &M) -> Self {
+        Self::new(model.config()).with_head(HeadRead::of_backend(model.backend()))
+    }
+
+    /// The same model with the head read as `head`.
+    pub fn with_head(&self, head: HeadRead) -> Self {
+        CostModel {
+            cfg: self.cfg.clone(),
+            head,
+        }
+    }
+
+    /// How this model's head reads its table.
+    pub fn head(&self) -> HeadRead {
+        self.head
     }
 
     /// Parameters of one decoder layer's projections (the matmul weights).
@@ -101,7 +157,14 @@ impl CostModel {
         }
         // Head of one position over the whole vocabulary.
         flops += 2.0 * self.embed_params() as f64;
-        bytes += self.embed_params() as f64 * F32 as f64;
+        bytes += match self.head {
+            HeadRead::F32 => self.embed_params() as f64 * F32 as f64,
+            // One byte a weight, a scale and a bound a row, one row in f32.
+            HeadRead::Int8Screen => {
+                (self.embed_params() + 2 * F32 * c.vocab_size as u64) as f64
+                    + (c.hidden_size as u64 * F32) as f64
+            }
+        };
         Work { bytes, flops }
     }
 
@@ -139,6 +202,16 @@ mod tests {
             .sum();
         let want = 2.0 * (m.layer_matmul_params() as f64 * 18.0 + m.embed_params() as f64) + attn;
         assert_eq!(step.flops, want);
+        // The int8-screened head reads a quarter of the f32 head's bytes and does the same
+        // multiplies.
+        let screened = m.with_head(HeadRead::Int8Screen).chunk(100, 1);
+        let head = m.embed_params() as f64 * 4.0;
+        let saved = step.bytes - screened.bytes;
+        assert!(
+            saved > head * 0.74 && saved < head * 0.75,
+            "saved {saved} of {head}"
+        );
+        assert_eq!(screened.flops, step.flops);
         // Prefilling twice the tokens costs about twice the FLOPs.
         let (a, b) = (m.chunk(0, 400).flops, m.chunk(0, 800).flops);
         assert!(b / a > 1.9 && b / a < 2.2);

@@ -103,7 +103,7 @@ pub fn measure<M: KvModel>(
 
     let served = catalog::serve(model, w, 1, turns, steps)?;
     let turn_s: Vec<f64> = served.turns.iter().map(|t| t.total_s).collect();
-    let cost = CostModel::new(model.config());
+    let cost = CostModel::of(model);
     let tokens = &served.turns[0].tokens;
     let stateless = catalog::stateless_turn(model, &cost, &prompt, tokens, measure_stateless)?;
     Ok(Run {
