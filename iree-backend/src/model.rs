@@ -106,6 +106,11 @@ pub struct IreeModel {
     /// Test hook: 0 = off, k + 1 = fail the next call after its chunk `k` (see
     /// [`IreeModel::set_fault_after_chunk`]).
     fault_after_chunk: AtomicU64,
+    /// Whether the module's screened head can give the greedy token alone (it has one, and
+    /// every weight of the table is finite).
+    screen: bool,
+    /// Calls whose screen could not settle the token and ran the full head again.
+    screen_fallbacks: AtomicU64,
     /// Buffer sets of released states, for the next ones (see [`crate::kv`]).
     kv_pool: Arc<KvPool>,
 }
@@ -166,8 +171,39 @@ fn import_weight(
     Ok(imported)
 }
 
+/// Builds the screened head's tensors ([`graphs::screen_specs`]) from the f32 table, as
+/// `kvsnap_reference::head::TiedHead` computes them, and uploads them; returns them in call
+/// order and whether every weight of the table is finite (else the screen must not be used).
+/// The table's pages, all read here, are released from this process's RSS afterwards.
+fn import_screen(
+    device: &Device,
+    table: &Tensor,
+    cfg: &ModelConfig,
+    specs: &[graphs::TensorSpec],
+) -> Result<(Vec<BufferView>, bool)> {
+    let hidden = cfg.hidden_size;
+    let head = kvsnap_reference::head::TiedHead::new(table, hidden);
+    let _ = table.release_resident_pages();
+    let bytes = specs[0].dims.iter().product::<usize>();
+    let mut panels = AlignedBytes::zeroed(bytes).ok_or_else(|| Error::Backend {
+        backend: device.backend(),
+        op: "pack the screened head's int8 table".into(),
+        status: format!("out of host memory for {bytes} bytes"),
+    })?;
+    graphs::pack_panels(head.q(), hidden, graphs::TABLE_LANES, panels.as_mut_i8());
+    let q8 = BufferView::import_host(device, panels, &specs[0].dims, ElementType::I8)?.0;
+    let scale = BufferView::from_f32(device, &specs[1].dims, head.scale())?;
+    let slack = BufferView::from_f32(device, &specs[2].dims, head.slack())?;
+    Ok((vec![q8, scale, slack], head.is_finite()))
+}
+
 /// Panels packed per slice when importing a matrix in panels (2048: 84 MB of a 640-wide one).
 const PACK_SLICE_PANELS: usize = 2048;
+
+/// The `head` argument ([`graphs::Role::Head`]): no head, the full head, the screened token.
+const HEAD_NONE: i32 = 0;
+const HEAD_FULL: i32 = 1;
+const HEAD_SCREEN: i32 = 2;
 
 /// HF name of the embedding table (also the tied head).
 const EMBED_TOKENS: &str = "model.embed_tokens.weight";
@@ -209,7 +245,7 @@ impl IreeModel {
 
         let file = Weights::open(&dir.join("model.safetensors"))?;
         let first = &g.manifest.entry_points[0];
-        let hf = graphs::weight_specs(&cfg, WeightLayout::Rows);
+        let hf = graphs::weight_specs(&cfg, WeightLayout::Rows, WeightLayout::Rows);
         let mut imports = ImportStats::default();
         let weights = first
             .weights()
@@ -231,6 +267,18 @@ impl IreeModel {
             })
             .collect::<Result<Vec<_>>>()?;
         let embed_tokens = file.tensor(EMBED_TOKENS, &[cfg.vocab_size, cfg.hidden_size])?;
+        let screen_specs: Vec<_> = first.screen().cloned().collect();
+        let mut screen = false;
+        let mut weights = weights;
+        if !screen_specs.is_empty() {
+            let (views, finite) = import_screen(&device, &embed_tokens, &cfg, &screen_specs)?;
+            for view in &views {
+                imports.copied += 1;
+                imports.copied_bytes += view.byte_length() as u64;
+            }
+            weights.extend(views);
+            screen = finite;
+        }
         let input = opts.input.unwrap_or(match opts.target {
             Target::VulkanSpirv => Input::Embeddings,
             Target::LlvmCpu => Input::Ids,
@@ -247,6 +295,7 @@ impl IreeModel {
                 let elem = match spec.dtype {
                     DType::F32 => ElementType::F32,
                     DType::I32 => ElementType::I32,
+                    DType::I8 => ElementType::I8,
                 };
                 (spec.dims.clone(), elem)
             })
@@ -264,6 +313,8 @@ impl IreeModel {
             report,
             kv_copies: AtomicU64::new(0),
             fault_after_chunk: AtomicU64::new(0),
+            screen,
+            screen_fallbacks: AtomicU64::new(0),
             kv_pool,
         })
     }
@@ -331,6 +382,13 @@ impl IreeModel {
     /// [`crate::kv::MAX_FREE_SETS`]; none once its last state is released).
     pub fn kv_free_sets(&self) -> usize {
         self.kv_pool.free_sets()
+    }
+
+    /// How many calls so far asked for the greedy token alone, found that the screened head
+    /// could not settle it (more candidate blocks than it recomputes) and ran the chunk again
+    /// with the full head.
+    pub fn screen_fallbacks(&self) -> u64 {
+        self.screen_fallbacks.load(Ordering::Relaxed)
     }
 
     /// The device the model runs on.
@@ -443,12 +501,19 @@ impl IreeModel {
             kv.written = kv.written.max((kv.len + c).min(self.manifest.capacity));
             let nvalid = BufferView::from_i32(&self.device, &[], &[valid as i32])?;
             // Only the last chunk's next token and logits are returned: the others skip the head.
-            let head = BufferView::from_i32(&self.device, &[], &[(index + 1 == chunks) as i32])?;
-            let mut args: Vec<&BufferView> = vec![&first, &pos0, &nvalid, &head];
-            args.extend(self.weights.iter());
-            args.extend(kv.bufs.iter());
-            let mut outs = session.call(&name, &args)?;
-            drop(args);
+            // Without logits the screened head finds the token alone, else the full head.
+            let head = match (index + 1 == chunks, want) {
+                (false, _) => HEAD_NONE,
+                (true, Logits::Skip) if self.screen => HEAD_SCREEN,
+                (true, _) => HEAD_FULL,
+            };
+            let mut outs = self.call(&session, &name, [&first, &pos0, &nvalid], head, kv)?;
+            if head == HEAD_SCREEN && outs[0].to_i32_vec()?[0] < 0 {
+                // Unsettled: the same chunk again (it writes the same K/V rows at the same
+                // positions, and reads what the first call read) with the full head.
+                self.screen_fallbacks.fetch_add(1, Ordering::Relaxed);
+                outs = self.call(&session, &name, [&first, &pos0, &nvalid], HEAD_FULL, kv)?;
+            }
             if outs.len() != 2 + kv.bufs.len() {
                 return Err(self.backend_error(
                     &format!("call {name}"),
@@ -485,6 +550,24 @@ impl IreeModel {
         })
     }
 
+    /// Calls entry point `name` with the chunk's `inputs` (chunk input, `pos0`, `valid`), the
+    /// `head` flag, the weights and `kv`'s buffers.
+    fn call(
+        &self,
+        session: &crate::runtime::Session,
+        name: &str,
+        inputs: [&BufferView; 3],
+        head: i32,
+        kv: &IreeKv,
+    ) -> Result<Vec<BufferView>> {
+        let head = BufferView::from_i32(&self.device, &[], &[head])?;
+        let mut args: Vec<&BufferView> = inputs.to_vec();
+        args.push(&head);
+        args.extend(self.weights.iter());
+        args.extend(kv.bufs.iter());
+        session.call(name, &args)
+    }
+
     fn backend_error(&self, op: &str, status: &str) -> Error {
         Error::Backend {
             backend: self.target.backend(),
@@ -506,7 +589,8 @@ pub fn model_graphs(cfg: &ModelConfig, opts: &IreeOptions) -> graphs::Graphs {
     let graph_opts = match opts.target {
         Target::LlvmCpu => graphs::GraphOptions::llvm_cpu(),
         Target::VulkanSpirv => graphs::GraphOptions::vulkan(),
-    };
+    }
+    .for_config(cfg);
     graphs::build(cfg, &chunks, graph_opts)
 }
 

@@ -11,8 +11,8 @@ use std::process::Command;
 use kvsnap_contract::ModelConfig;
 use kvsnap_iree::emit::{Cmp, DotDims, ElemType, FuncBuilder, Module, Reduction, TensorType};
 use kvsnap_iree::graphs::{
-    self, entry_name, GraphOptions, Input, Role, WeightLayout, DEFAULT_CHUNKS, PROJECTION_LANES,
-    TABLE_LANES,
+    self, entry_name, DType, GraphOptions, Input, Role, WeightLayout, DEFAULT_CHUNKS,
+    PROJECTION_LANES, SCREEN_BLOCKS, SCREEN_WEIGHTS, TABLE_LANES,
 };
 use kvsnap_reference::tiny::{config, Preset};
 
@@ -289,6 +289,22 @@ fn if_else_emits_both_regions_and_names_its_results() {
 }
 
 #[test]
+fn cumsum_is_a_reduce_window_over_everything_before() {
+    let t = body(&[i32t(&[5])], |b, a| {
+        b.cumsum(&a[0]);
+    });
+    assert_eq!(
+        t,
+        "%1 = \"stablehlo.constant\"() {value = dense<0> : tensor<i32>} : () -> tensor<i32>\n\
+         %2 = \"stablehlo.reduce_window\"(%0, %1) ({\n\
+         ^bb0(%3: tensor<i32>, %4: tensor<i32>):\n\
+         %5 = \"stablehlo.add\"(%3, %4) : (tensor<i32>, tensor<i32>) -> tensor<i32>\n\
+         \"stablehlo.return\"(%5) : (tensor<i32>) -> ()\n\
+         }) {window_dimensions = array<i64: 5>, padding = dense<[[4, 0]]> : tensor<1x2xi64>} : (tensor<5xi32>, tensor<i32>) -> tensor<5xi32>"
+    );
+}
+
+#[test]
 fn gather_lanes_takes_one_lane_column_per_index() {
     let t = body(&[f32t(&[5, 3, 4]), i32t(&[2, 2])], |b, a| {
         b.gather_lanes(&a[0], &a[1]);
@@ -365,6 +381,7 @@ fn every_op_compiles() {
     let i = b.arg(i32t(&[]));
     let ids = b.arg(i32t(&[3]));
     let w = b.arg(f32t(&[8, 4]));
+    let bytes = b.arg(TensorType::new(&[4], ElemType::I8));
     let idx = b.reshape(&ids, &[3, 1]);
     let rows = b.gather_rows(&x, &idx);
     let lane_idx = b.concatenate(&[&idx, &idx], 1);
@@ -416,6 +433,11 @@ fn every_op_compiles() {
     let sl = b.slice(&cat, &[1], &[5]);
     let v = b.const_f32_vec(&[1.0, 2.0, 3.0, 4.0]);
     let out = b.add(&sl, &v);
+    let widened = b.convert(&bytes, ElemType::F32);
+    let out = b.add(&out, &widened);
+    let prefix = b.cumsum(&r);
+    let prefix = b.convert(&prefix, ElemType::F32);
+    let out = b.add(&out, &prefix);
     let mut module = Module::new("ops");
     module.push(b.finish(&[&out, &mx]));
     compile(&module.text(), "ops");
@@ -454,7 +476,11 @@ fn function_of<'a>(mlir: &'a str, name: &str) -> &'a str {
 
 #[test]
 fn graphs_build_for_tiny_and_real_configs_with_the_head_sliced() {
-    let options = [GraphOptions::vulkan(), GraphOptions::llvm_cpu()];
+    let unscreened = GraphOptions {
+        screen: false,
+        ..GraphOptions::llvm_cpu()
+    };
+    let options = [GraphOptions::vulkan(), GraphOptions::llvm_cpu(), unscreened];
     for (cfg, opts) in [config(Preset::Tiny), real_config()]
         .into_iter()
         .flat_map(|cfg| options.map(|o| (cfg.clone(), o)))
@@ -462,12 +488,23 @@ fn graphs_build_for_tiny_and_real_configs_with_the_head_sliced() {
         let layout = opts.layout;
         let g = graphs::build(&cfg, &DEFAULT_CHUNKS, opts);
         assert_eq!(g.manifest.weight_layout, layout);
+        assert_eq!(g.manifest.table_layout, opts.table_layout());
+        assert_eq!(
+            opts.table_layout(),
+            if opts.screen {
+                WeightLayout::Rows
+            } else {
+                layout
+            }
+        );
         let vocab = cfg.vocab_size;
         // No tensor with a vocab dim and another dim > 1 (no SEQ x vocab logits anywhere),
         // except the embedding table itself (and, with panels, the head's products of the
-        // table's shape and its `[panels, 16]` sums).
-        let table = layout.table_dims(vocab, cfg.hidden_size);
+        // table's shape and its `[panels, 16]` sums; with the screen, the int8 table's and the
+        // blocks of 16 rows it finds candidates in).
+        let table = opts.table_layout().table_dims(vocab, cfg.hidden_size);
         let panels = vocab.div_ceil(TABLE_LANES);
+        let screen_panels = [panels, cfg.hidden_size, TABLE_LANES];
         for dims in tensor_types(&g.mlir) {
             if dims == table {
                 continue;
@@ -482,9 +519,12 @@ fn graphs_build_for_tiny_and_real_configs_with_the_head_sliced() {
             // A panels dim is the table's or the head's sums. Checked where no other dim can
             // equal it: the tiny model's 32 panels are also its head_dim.
             if layout == WeightLayout::Panels && panels > 1024 && dims.contains(&panels) {
-                assert_eq!(
-                    dims,
-                    [panels, TABLE_LANES],
+                let screened = opts.screen
+                    && (dims == screen_panels
+                        || dims == [panels]
+                        || dims == [SCREEN_BLOCKS, panels]);
+                assert!(
+                    dims == [panels, TABLE_LANES] || screened,
                     "tensor {dims:?} has a panels ({panels}) dim besides the head's"
                 );
             }
@@ -497,13 +537,17 @@ fn graphs_build_for_tiny_and_real_configs_with_the_head_sliced() {
                 let name = entry_name(input, c);
                 let e = g.manifest.entry(&name).expect("entry point in manifest");
                 // Branches where asked for, in chunks of more than one row only: a decode
-                // step reads no predicate back to the host.
-                assert_eq!(
-                    function_of(&g.mlir, &name).contains("stablehlo.if"),
-                    opts.branches && c > 1,
-                    "{name}"
-                );
+                // step reads no predicate back to the host, but for the one that picks the
+                // screened head.
+                let body = function_of(&g.mlir, &name);
+                let ifs = body.matches("stablehlo.if").count();
+                if c == 1 {
+                    assert_eq!(ifs, usize::from(opts.screen), "{name}");
+                } else {
+                    assert_eq!(ifs > 0, opts.branches || opts.screen, "{name}");
+                }
                 assert_eq!(e.weights().count(), 2 + 13 * cfg.num_layers());
+                assert_eq!(e.screen().count(), if opts.screen { 3 } else { 0 });
                 assert_eq!(e.kv().count(), 2 * cfg.num_layers() + 1);
                 assert_eq!(e.results[0].role, Role::Next);
                 assert_eq!(e.results[1].dims, [vocab]);
@@ -566,26 +610,67 @@ fn manifest_lists_weights_by_hf_name_in_call_order() {
     let back: graphs::Manifest = serde_json::from_str(&json).unwrap();
     assert_eq!(back, g.manifest);
 
-    // With panels the table is `[vocab / 16, hidden, 16]`, every projection `[rows / 32,
-    // cols, 32]`; the norms stay as they are.
-    let p = graphs::build(&cfg, &[1], GraphOptions::llvm_cpu());
-    assert_eq!(p.manifest.weight_layout, WeightLayout::Panels);
-    let pe = p.manifest.entry("chunk_ids_c1").unwrap();
-    assert_eq!(pe.weights().count(), e.weights().count());
-    for (panels, rows) in pe.weights().zip(e.weights()) {
-        assert_eq!(panels.name, rows.name);
-        let lanes = if rows.name == "model.embed_tokens.weight" {
-            TABLE_LANES
-        } else {
-            PROJECTION_LANES
+    assert_eq!(e.screen().count(), 0);
+
+    // With panels the table is `[vocab / 16, hidden, 16]` (in rows with the screened head),
+    // every projection `[rows / 32, cols, 32]`; the norms stay as they are.
+    for screen in [false, true] {
+        let opts = GraphOptions {
+            screen,
+            ..GraphOptions::llvm_cpu()
         };
-        match rows.dims[..] {
-            [r, c] => assert_eq!(panels.dims, [r.div_ceil(lanes), c, lanes], "{}", rows.name),
-            _ => assert_eq!(panels.dims, rows.dims, "{}", rows.name),
+        let p = graphs::build(&cfg, &[1], opts);
+        assert_eq!(p.manifest.weight_layout, WeightLayout::Panels);
+        let pe = p.manifest.entry("chunk_ids_c1").unwrap();
+        assert_eq!(pe.weights().count(), e.weights().count());
+        for (panels, rows) in pe.weights().zip(e.weights()) {
+            assert_eq!(panels.name, rows.name);
+            let lanes = if rows.name == "model.embed_tokens.weight" {
+                if screen {
+                    assert_eq!(panels.dims, rows.dims);
+                    continue;
+                }
+                TABLE_LANES
+            } else {
+                PROJECTION_LANES
+            };
+            match rows.dims[..] {
+                [r, c] => assert_eq!(panels.dims, [r.div_ceil(lanes), c, lanes], "{}", rows.name),
+                _ => assert_eq!(panels.dims, rows.dims, "{}", rows.name),
+            }
+        }
+        // The screened head's tensors follow the weights, before the KV buffers.
+        let screen_args: Vec<_> = pe.screen().collect();
+        if screen {
+            let names: Vec<&str> = screen_args.iter().map(|s| s.name.as_str()).collect();
+            assert_eq!(names, SCREEN_WEIGHTS);
+            let (v, h) = (cfg.vocab_size, cfg.hidden_size);
+            assert_eq!(
+                screen_args[0].dims,
+                [v.div_ceil(TABLE_LANES), h, TABLE_LANES]
+            );
+            assert_eq!(screen_args[0].dtype, DType::I8);
+            assert_eq!(
+                (&screen_args[1].dims, screen_args[1].dtype),
+                (&vec![v], DType::F32)
+            );
+            assert_eq!(
+                (&screen_args[2].dims, screen_args[2].dtype),
+                (&vec![v], DType::F32)
+            );
+            let first_kv = pe.args.iter().position(|a| a.role == Role::Kv).unwrap();
+            let last_screen = pe
+                .args
+                .iter()
+                .rposition(|a| a.role == Role::Screen)
+                .unwrap();
+            assert_eq!(last_screen + 1, first_kv);
+        } else {
+            assert!(screen_args.is_empty());
+            let table = pe.weights().next().unwrap();
+            assert_eq!(table.dims, [cfg.vocab_size / 16, cfg.hidden_size, 16]);
         }
     }
-    let table = pe.weights().next().unwrap();
-    assert_eq!(table.dims, [cfg.vocab_size / 16, cfg.hidden_size, 16]);
 }
 
 #[test]

@@ -405,6 +405,97 @@ fn argmax_with_planted_maxima_on_every_target() {
     }
 }
 
+/// The screened head's token (llvm-cpu) against `kvsnap_reference::head::TiedHead` and the
+/// full head, on planted tables: a vocab that is not a whole number of blocks, winners at
+/// block and table edges, duplicated winners (the lowest id wins), and the cases it must
+/// leave to the full head (-1): more candidate blocks than it recomputes, a NaN state.
+#[test]
+fn screened_head_matches_the_reference_screen_on_planted_tables() {
+    use kvsnap_iree::graphs::{
+        pack_panels, screen_module, SCREEN_BLOCK, SCREEN_BLOCKS, TABLE_LANES,
+    };
+    use kvsnap_iree::runtime::{BufferView, Device, ElementType, Instance, Session};
+    use kvsnap_reference::head::TiedHead;
+    use kvsnap_reference::tiny::config;
+
+    let Ok(compiler) = Compiler::discover() else {
+        eprintln!("SKIPPED: iree-compile not found");
+        return;
+    };
+    let mut cfg = config(Preset::Tiny);
+    cfg.vocab_size = 4099; // 257 panels, the last of 3 rows; 257 blocks > SCREEN_BLOCKS
+    let (vocab, hidden) = (cfg.vocab_size, cfg.hidden_size);
+    assert!(vocab.div_ceil(SCREEN_BLOCK) > SCREEN_BLOCKS);
+    let vmfb = compiler
+        .compile(&screen_module(&cfg), Target::LlvmCpu, &mut |_| {})
+        .unwrap()
+        .vmfb;
+    let instance = Instance::new().unwrap();
+    let device = Device::cpu(&instance).unwrap();
+    let session = Session::new(&device, &vmfb).unwrap();
+    let run = |table: &[f32], h: &[f32]| -> i32 {
+        let head = TiedHead::new(table, hidden);
+        let mut panels = vec![0i8; vocab.div_ceil(TABLE_LANES) * hidden * TABLE_LANES];
+        pack_panels(head.q(), hidden, TABLE_LANES, &mut panels);
+        let bytes: Vec<u8> = panels.iter().map(|&q| q as u8).collect();
+        let dims = [vocab.div_ceil(TABLE_LANES), hidden, TABLE_LANES];
+        let q8 = BufferView::from_bytes(&device, &dims, ElementType::I8, &bytes).unwrap();
+        let scale = BufferView::from_f32(&device, &[vocab], head.scale()).unwrap();
+        let slack = BufferView::from_f32(&device, &[vocab], head.slack()).unwrap();
+        let t = BufferView::from_f32(&device, &[vocab, hidden], table).unwrap();
+        let hv = BufferView::from_f32(&device, &[hidden], h).unwrap();
+        let out = session
+            .call("screen", &[&q8, &scale, &slack, &t, &hv])
+            .unwrap();
+        out[0].to_i32_vec().unwrap()[0]
+    };
+    let full = |table: &[f32], h: &[f32]| -> u32 {
+        let logits: Vec<f32> = table
+            .chunks_exact(hidden)
+            .map(|row| kvsnap_reference::kernels::dot(row, h))
+            .collect();
+        kvsnap_contract::argmax(&logits)
+    };
+    let values = |n: usize, seed: u64| -> Vec<f32> {
+        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+            })
+            .collect()
+    };
+    let base = values(vocab * hidden, 7);
+    for (case, seed) in (0..6).map(|i| (format!("random state {i}"), 100 + i)) {
+        let h = values(hidden, seed);
+        let want = full(&base, &h);
+        assert_eq!(TiedHead::new(&base, hidden).argmax(&base, &h), Some(want));
+        assert_eq!(run(&base, &h), want as i32, "{case}");
+    }
+    // A planted winner at block and table edges, copied once before and once after it.
+    for winner in [0, 15, 16, 2047, 4095, 4096, vocab - 1] {
+        let mut table = base.clone();
+        let h = values(hidden, 9);
+        let row: Vec<f32> = h.iter().map(|v| v * 0.9).collect();
+        table[winner * hidden..(winner + 1) * hidden].copy_from_slice(&row);
+        assert_eq!(run(&table, &h), winner as i32, "winner {winner}");
+        let later = (winner + 1234) % vocab;
+        table[later * hidden..(later + 1) * hidden].copy_from_slice(&row);
+        let want = winner.min(later) as i32;
+        assert_eq!(run(&table, &h), want, "winner {winner} tied with {later}");
+        assert_eq!(full(&table, &h) as i32, want);
+    }
+    // Every row alike: every block holds candidates, more than the screen recomputes.
+    let same: Vec<f32> = (0..vocab).flat_map(|_| base[..hidden].to_vec()).collect();
+    assert_eq!(run(&same, &values(hidden, 3)), -1, "all rows alike");
+    // A NaN in the state: the bound says nothing.
+    let mut h = values(hidden, 4);
+    h[5] = f32::NAN;
+    assert_eq!(run(&base, &h), -1, "NaN state");
+}
+
 /// The default entry points follow the target (embeddings-input on Vulkan, ids-input on the
 /// CPU), and the other kind compiles and serves prefill, extend and step on the same target too.
 fn both_input_kinds_serve_every_operation(p: &Pair) {

@@ -145,6 +145,27 @@ impl TiedHead {
         best.map(|(r, _)| r as u32)
     }
 
+    /// `[vocab, hidden]`: each weight's int8 rounding (`round(w / scale)`).
+    pub fn q(&self) -> &[i8] {
+        &self.q
+    }
+
+    /// `[vocab]`: each row's scale (`max |w| / 127`).
+    pub fn scale(&self) -> &[f32] {
+        &self.scale
+    }
+
+    /// `[vocab]`: each row's bound, `|e - ã| <= |h| slack` (module documentation).
+    pub fn slack(&self) -> &[f32] {
+        &self.slack
+    }
+
+    /// Whether every weight is finite (else the bound says nothing and [`TiedHead::argmax`]
+    /// always returns `None`).
+    pub fn is_finite(&self) -> bool {
+        self.finite
+    }
+
     /// Bytes of the int8 copy, its scales and the bounds.
     pub fn bytes(&self) -> u64 {
         (self.q.len() + (self.scale.len() + self.slack.len()) * 4) as u64

@@ -573,7 +573,9 @@ impl FuncBuilder {
             (Reduction::Max, ElemType::I32) => self.const_i32(i32::MIN, &[]),
             (Reduction::Min, ElemType::F32) => self.const_f32(f32::INFINITY, &[]),
             (Reduction::Min, ElemType::I32) => self.const_i32(i32::MAX, &[]),
-            (_, ElemType::I1) => panic!("reduce: i1 operands are not supported"),
+            (_, ElemType::I1 | ElemType::I8) => {
+                panic!("reduce: {} operands are not supported", x.ty)
+            }
         };
         let out = x.ty.elem_dims(&self.reduced_dims(x, dims));
         let r = self.fresh(out);
@@ -588,6 +590,38 @@ impl FuncBuilder {
             self.body,
             "    {r} = \"stablehlo.reduce\"({x}, {init}) ({{\n    ^bb0({lhs}: {scalar}, {rhs}: {scalar}):\n      {combined} = \"stablehlo.{combiner}\"({lhs}, {rhs}) : ({scalar}, {scalar}) -> {scalar}\n      \"stablehlo.return\"({combined}) : ({scalar}) -> ()\n    }}) {{dimensions = {}}} : ({}, {scalar}) -> {}",
             i64_array(dims),
+            x.ty,
+            r.ty
+        )
+        .expect("writing to a String");
+        r
+    }
+
+    /// Emits `stablehlo.reduce_window` summing each element with all before it: the inclusive
+    /// prefix sum of a vector (IREE lowers it to one `iree_linalg_ext.scan`).
+    ///
+    /// # Shapes
+    /// `x`: `[n]` i32 or f32; returns `[n]`.
+    pub fn cumsum(&mut self, x: &Value) -> Value {
+        assert!(
+            x.ty.rank() == 1 && matches!(x.elem(), ElemType::I32 | ElemType::F32),
+            "cumsum: operand {} must be a vector of i32 or f32",
+            x.ty
+        );
+        let n = x.dims()[0];
+        let scalar = x.ty.elem_dims(&[]);
+        let init = match x.elem() {
+            ElemType::F32 => self.const_f32(0.0, &[]),
+            _ => self.const_i32(0, &[]),
+        };
+        let r = self.fresh(x.ty.clone());
+        let (lhs, rhs) = (self.fresh(scalar.clone()), self.fresh(scalar.clone()));
+        let combined = self.fresh(scalar.clone());
+        writeln!(
+            self.body,
+            "    {r} = \"stablehlo.reduce_window\"({x}, {init}) ({{\n    ^bb0({lhs}: {scalar}, {rhs}: {scalar}):\n      {combined} = \"stablehlo.add\"({lhs}, {rhs}) : ({scalar}, {scalar}) -> {scalar}\n      \"stablehlo.return\"({combined}) : ({scalar}) -> ()\n    }}) {{window_dimensions = {}, padding = dense<[[{}, 0]]> : tensor<1x2xi64>}} : ({}, {scalar}) -> {}",
+            i64_array(&[n]),
+            n - 1,
             x.ty,
             r.ty
         )

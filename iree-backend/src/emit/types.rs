@@ -11,15 +11,18 @@ pub enum ElemType {
     I32,
     /// Boolean (comparison results, masks).
     I1,
+    /// 8-bit signless integer (int8 weights, converted as signed).
+    I8,
 }
 
 impl ElemType {
-    /// The MLIR spelling: `f32`, `i32`, `i1`.
+    /// The MLIR spelling: `f32`, `i32`, `i1`, `i8`.
     pub fn mlir(self) -> &'static str {
         match self {
             ElemType::F32 => "f32",
             ElemType::I32 => "i32",
             ElemType::I1 => "i1",
+            ElemType::I8 => "i8",
         }
     }
 }

@@ -24,6 +24,28 @@ const MASKED: f32 = -1.0e30;
 /// 262144 logits hits lavapipe's shader loop limit).
 const ARGMAX_INNER: usize = 512;
 
+/// Rows per block of the screened head ([`Forward::screen`]): the blocks whose best upper bound
+/// reaches the best lower bound are recomputed in f32, every row of them.
+pub const SCREEN_BLOCK: usize = TABLE_LANES;
+
+/// Blocks the screened head recomputes at most; where more blocks hold candidates, `next` is
+/// -1 and the caller runs the full head. On Gemma 3 270M a decode step leaves 1-26 candidate
+/// rows (docs/BENCHMARKS.md, twelfth pass); 32 blocks of 16 rows are 1.3 MB of the f32 table.
+pub const SCREEN_BLOCKS: usize = 32;
+
+/// The screened head's tensors ([`Role::Screen`](super::Role)).
+///
+/// # Shapes
+/// `q8`: `[ceil(vocab / TABLE_LANES), hidden, TABLE_LANES]` i8; `scale`, `slack`: `[vocab]`.
+pub struct Screen {
+    /// The int8 table in panels.
+    pub q8: Value,
+    /// Each row's scale: its int8 weights times this are its approximation.
+    pub scale: Value,
+    /// Each row's bound: `|f32 logit - approximate logit| <= |h| slack`.
+    pub slack: Value,
+}
+
 /// The row spans a global layer's attention of a `c`-row chunk may run over (see
 /// [`Forward::attend_live`]): an eighth, a quarter and half of `capacity` where they hold at
 /// least `c` rows, then `capacity` itself.
@@ -434,11 +456,11 @@ impl<'a> Forward<'a> {
     /// Rows of `embed_tokens` for `ids`.
     ///
     /// # Shapes
-    /// `ids`: `[C]` i32; `embed`: the table in layout of [`Forward::opts`]; returns
+    /// `ids`: `[C]` i32; `embed`: the table in [`GraphOptions::table_layout`]; returns
     /// `[C, hidden]`.
     pub fn gather(&mut self, embed: &Value, ids: &Value) -> Value {
         let c = ids.dims()[0];
-        match self.opts.layout {
+        match self.opts.table_layout() {
             WeightLayout::Rows => {
                 let idx = self.b.reshape(ids, &[c, 1]);
                 self.b.gather_rows(embed, &idx)
@@ -690,10 +712,43 @@ impl<'a> Forward<'a> {
         out.pop().expect("one result")
     }
 
+    /// The head as the `head` argument `flag` (`[]` i32) asks: 1 [`Forward::head`]; 0
+    /// `next` 0 and zero logits; 2, with a `screen`, [`Forward::screen`]'s `next` and zero
+    /// logits. Only the taken branch runs. Where the chunk does not branch
+    /// ([`GraphOptions::branches_for`]), 0 runs the head too; the screen's choice is a branch
+    /// in every chunk (its one predicate costs far less than the f32 head it skips).
+    pub fn head_if(
+        &mut self,
+        flag: &Value,
+        ch: &Chunk,
+        x: &Value,
+        norm: &Value,
+        embed: &Value,
+        screen: Option<&Screen>,
+    ) -> (Value, Value) {
+        let Some(screen) = screen else {
+            return self.head_or_none(flag, ch, x, norm, embed);
+        };
+        let two = self.i32(2, &[]);
+        let pred = self.b.compare(Cmp::Eq, flag, &two);
+        let open = self.b.open_region();
+        let h = self.final_norm(ch, x, norm);
+        let next = self.screen(screen, embed, &h);
+        let no_logits = self.f32(0.0, &[self.cfg.vocab_size]);
+        let then = self.b.close_region(open, &[&next, &no_logits]);
+        let open = self.b.open_region();
+        let (next, logits) = self.head_or_none(flag, ch, x, norm, embed);
+        let otherwise = self.b.close_region(open, &[&next, &logits]);
+        let mut out = self.b.if_else(&pred, then, otherwise).into_iter();
+        let next = out.next().expect("two results");
+        let logits = out.next().expect("two results");
+        (next, logits)
+    }
+
     /// [`Forward::head`] where `flag` (`[]` i32) is nonzero, else `next` 0 and zero logits;
     /// only the taken branch runs. Where the chunk does not branch
     /// ([`GraphOptions::branches_for`]), the head, whatever `flag`.
-    pub fn head_if(
+    fn head_or_none(
         &mut self,
         flag: &Value,
         ch: &Chunk,
@@ -719,26 +774,36 @@ impl<'a> Forward<'a> {
         (next, logits)
     }
 
-    /// Final norm, tied head and greedy argmax of the last valid row.
+    /// The final norm of the last valid row.
     ///
     /// # Shapes
-    /// `x`: `[C, hidden]`; `embed`: the table in layout of [`Forward::opts`]; returns
-    /// `next: []` i32 and `logits: [vocab]`.
-    pub fn head(&mut self, ch: &Chunk, x: &Value, norm: &Value, embed: &Value) -> (Value, Value) {
+    /// `x`: `[C, hidden]`; returns `[hidden]`.
+    fn final_norm(&mut self, ch: &Chunk, x: &Value, norm: &Value) -> Value {
         let hidden = self.cfg.hidden_size;
-        let vocab = self.cfg.vocab_size;
         let zero = self.i32(0, &[]);
         let one = self.i32(1, &[]);
         let last = self.b.sub(&ch.valid, &one);
         let h = self.b.dynamic_slice(x, &[&last, &zero], &[1, hidden]);
         let h = self.rms_norm(&h, norm);
-        let mut logits = match self.opts.layout {
+        self.b.reshape(&h, &[hidden])
+    }
+
+    /// Final norm, tied head and greedy argmax of the last valid row.
+    ///
+    /// # Shapes
+    /// `x`: `[C, hidden]`; `embed`: the table in [`GraphOptions::table_layout`]; returns
+    /// `next: []` i32 and `logits: [vocab]`.
+    pub fn head(&mut self, ch: &Chunk, x: &Value, norm: &Value, embed: &Value) -> (Value, Value) {
+        let hidden = self.cfg.hidden_size;
+        let vocab = self.cfg.vocab_size;
+        let h = self.final_norm(ch, x, norm);
+        let mut logits = match self.opts.table_layout() {
             WeightLayout::Rows => {
+                let h = self.b.reshape(&h, &[1, hidden]);
                 let logits = self.b.dot_general(embed, &h, &DotDims::contract(1, 1)); // [vocab, 1]
                 self.b.reshape(&logits, &[vocab])
             }
             WeightLayout::Panels => {
-                let h = self.b.reshape(&h, &[hidden]);
                 let logits = self.panel_matvec(embed, &h);
                 if logits.dims()[0] > vocab {
                     self.b.slice(&logits, &[0], &[vocab])
@@ -752,6 +817,117 @@ impl<'a> Forward<'a> {
         }
         let next = self.argmax(&logits);
         (next, logits)
+    }
+
+    /// The greedy token of the tied head for the normalised row `h`, by the screen of
+    /// `kvsnap_reference::head` (whose module documentation derives the bound), or -1 where
+    /// it cannot be settled here.
+    ///
+    /// Every row's approximate logit `a = scale (q8 . h)` and bound `b = |h| slack` give the
+    /// best lower bound `L = max (a - b)`; a row with `a + b < L` can be neither the maximum
+    /// nor tie with it. The rows are taken in blocks of [`SCREEN_BLOCK`]: each block whose best
+    /// `a + b` reaches `L` is found by a prefix sum over the blocks (the `j`-th such block is
+    /// the number of blocks whose prefix count is at most `j`), the first [`SCREEN_BLOCKS`] of
+    /// them are gathered from the f32 table and recomputed, and the argmax of the candidates'
+    /// f32 logits (lowest id on a tie) is the token. `next` is -1 where more blocks hold
+    /// candidates, or where `L` is not finite (a NaN or infinite score: the bound says
+    /// nothing).
+    ///
+    /// In f32 throughout: the bound's margins (1 % of the residual, twice the rounding term)
+    /// cover the f32 rounding of `|h|`, `b` and `a +- b`, which are within a few units of
+    /// `2^-24` of the scores.
+    ///
+    /// # Shapes
+    /// `embed`: `[vocab, hidden]` (rows); `h`: `[hidden]`; returns `[]` i32.
+    pub fn screen(&mut self, screen: &Screen, embed: &Value, h: &Value) -> Value {
+        let (hidden, vocab) = (self.cfg.hidden_size, self.cfg.vocab_size);
+        let q = self.b.convert(&screen.q8, ElemType::F32);
+        let mut scores = self.panel_matvec(&q, h);
+        if scores.dims()[0] > vocab {
+            scores = self.b.slice(&scores, &[0], &[vocab]);
+        }
+        let scores = self.b.mul(&scores, &screen.scale);
+        let squares = self.b.mul(h, h);
+        let norm = self.b.reduce(&squares, Reduction::Sum, &[0]);
+        let norm = self.b.sqrt(&norm);
+        let norm = self.splat(&norm, &[vocab]);
+        let bound = self.b.mul(&norm, &screen.slack);
+        let lows = self.b.sub(&scores, &bound);
+        let lower = self.b.reduce(&lows, Reduction::Max, &[0]);
+        let mut upper = self.b.add(&scores, &bound);
+
+        // Blocks whose best upper bound reaches `lower`, padded with -inf to whole blocks.
+        let blocks = vocab.div_ceil(SCREEN_BLOCK);
+        if blocks * SCREEN_BLOCK > vocab {
+            let pad = self.f32(f32::NEG_INFINITY, &[blocks * SCREEN_BLOCK - vocab]);
+            upper = self.b.concatenate(&[&upper, &pad], 0);
+        }
+        let upper = self.b.reshape(&upper, &[blocks, SCREEN_BLOCK]);
+        let block_best = self.b.reduce(&upper, Reduction::Max, &[1]);
+        let lower_b = self.splat(&lower, &[blocks]);
+        let hit = self.b.compare(Cmp::Ge, &block_best, &lower_b);
+        let hit = self.b.convert(&hit, ElemType::I32);
+        let count = self.b.reduce(&hit, Reduction::Sum, &[0]);
+        let prefix = self.b.cumsum(&hit);
+
+        // The j-th candidate block: how many blocks have a prefix count of at most j.
+        let k = SCREEN_BLOCKS.min(blocks);
+        let prefix = self.b.broadcast_in_dim(&prefix, &[k, blocks], &[1]);
+        let j = self.b.iota(&[k, blocks], 0);
+        let before = self.b.compare(Cmp::Le, &prefix, &j);
+        let before = self.b.convert(&before, ElemType::I32);
+        let block = self.b.reduce(&before, Reduction::Sum, &[1]); // [k], `blocks` past the last
+
+        // Their rows: ids, upper bounds, f32 logits.
+        let dims = [k, SCREEN_BLOCK];
+        let block = self.b.broadcast_in_dim(&block, &dims, &[0]);
+        let width = self.i32(SCREEN_BLOCK as i32, &dims);
+        let lane = self.b.iota(&dims, 1);
+        let ids = self.b.mul(&block, &width);
+        let ids = self.b.add(&ids, &lane);
+        let n = k * SCREEN_BLOCK;
+        let ids = self.b.reshape(&ids, &[n]);
+        let last = self.i32(vocab as i32 - 1, &[n]);
+        let rows = self.b.min(&ids, &last);
+        let rows = self.b.reshape(&rows, &[n, 1]);
+        let table = self.b.gather_rows(embed, &rows); // [n, hidden]
+        let hrow = self.b.reshape(h, &[1, hidden]);
+        let exact = self.b.dot_general(&table, &hrow, &DotDims::contract(1, 1)); // [n, 1]
+        let exact = self.b.reshape(&exact, &[n]);
+        let flat = self.b.reshape(&upper, &[blocks * SCREEN_BLOCK, 1]);
+        let their_upper = self.b.gather_rows(&flat, &rows);
+        let their_upper = self.b.reshape(&their_upper, &[n]);
+
+        // Candidates: a found block's real rows whose upper bound reaches `lower`.
+        let lower_n = self.splat(&lower, &[n]);
+        let reach = self.b.compare(Cmp::Ge, &their_upper, &lower_n);
+        let vocab_n = self.i32(vocab as i32, &[n]);
+        let real = self.b.compare(Cmp::Lt, &ids, &vocab_n);
+        let cand = self.b.and(&reach, &real);
+        let ninf = self.f32(f32::NEG_INFINITY, &[n]);
+        let exact = self.b.select(&cand, &exact, &ninf);
+        let best = self.b.reduce(&exact, Reduction::Max, &[0]);
+        let best = self.splat(&best, &[n]);
+        let top = self.b.compare(Cmp::Eq, &exact, &best);
+        let top = self.b.and(&top, &cand);
+        let none = self.i32(i32::MAX, &[n]);
+        let ids = self.b.select(&top, &ids, &none);
+        let token = self.b.reduce(&ids, Reduction::Min, &[0]);
+
+        // Settled: 1..=k candidate blocks and a finite `lower`.
+        let one = self.i32(1, &[]);
+        let most = self.i32(k as i32, &[]);
+        let some = self.b.compare(Cmp::Ge, &count, &one);
+        let few = self.b.compare(Cmp::Le, &count, &most);
+        let inf = self.f32(f32::INFINITY, &[]);
+        let ninf = self.f32(f32::NEG_INFINITY, &[]);
+        let below = self.b.compare(Cmp::Lt, &lower, &inf);
+        let above = self.b.compare(Cmp::Gt, &lower, &ninf);
+        let settled = self.b.and(&some, &few);
+        let settled = self.b.and(&settled, &below);
+        let settled = self.b.and(&settled, &above);
+        let unsettled = self.i32(-1, &[]);
+        self.b.select(&settled, &token, &unsettled)
     }
 
     /// Two-stage argmax of `[vocab]` logits: NaN counts as -inf (never wins), ties go to the

@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 /// Format name written into every manifest.
 pub const MANIFEST_FORMAT: &str = "kvsnap-iree-graphs";
 /// Version of the manifest layout and of the entry-point conventions it describes.
-pub const MANIFEST_VERSION: u32 = 3;
+pub const MANIFEST_VERSION: u32 = 4;
 
 /// Element type of an argument or result.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -17,6 +17,8 @@ pub enum DType {
     F32,
     /// 32-bit signed integer.
     I32,
+    /// 8-bit signed integer (the screened head's int8 table).
+    I8,
 }
 
 /// What an argument or result is for.
@@ -31,13 +33,20 @@ pub enum Role {
     Pos0,
     /// `valid: [] i32` number of real rows, `1..=C`; rows `valid..C` are padding.
     Valid,
-    /// `head: [] i32`: nonzero computes the head (`next`, `logits`); 0 skips it and returns
-    /// `next` 0 and zero logits (a prefill's chunks before its last need no head).
+    /// `head: [] i32`: 1 computes the head (`next`, `logits`); 0 skips it and returns `next`
+    /// 0 and zero logits (a prefill's chunks before its last need no head); 2, in a module
+    /// with a screened head ([`Role::Screen`] arguments), computes `next` alone by the
+    /// screen, with zero logits, and `next` -1 where the screen cannot settle it (the caller
+    /// then runs the chunk again with 1).
     Head,
     /// A model weight; `name` is its HF tensor name. Vectors (norms) in the HF layout of
     /// `model.safetensors`, matrices (the embedding table and the projections) in the
     /// manifest's [`WeightLayout`].
     Weight,
+    /// A tensor of the screened head, derived from `model.embed_tokens.weight` when the model
+    /// is loaded ([`SCREEN_WEIGHTS`]): the int8 table in panels of [`TABLE_LANES`], each row's
+    /// scale and each row's error bound, as `kvsnap_reference::head::TiedHead` computes them.
+    Screen,
     /// A KV buffer (input: the state before the chunk; result: after it, updated in place):
     /// the K and V of each layer, then the `sliding.positions` table (i32).
     Kv,
@@ -117,7 +126,12 @@ impl WeightLayout {
 ///
 /// # Panics
 /// If `out` is not `ceil(rows / lanes) * cols * lanes` long or `src` not a multiple of `cols`.
-pub fn pack_panels(src: &[f32], cols: usize, lanes: usize, out: &mut [f32]) {
+pub fn pack_panels<T: Copy + Default + Send + Sync>(
+    src: &[T],
+    cols: usize,
+    lanes: usize,
+    out: &mut [T],
+) {
     assert!(
         cols > 0 && lanes > 0 && src.len().is_multiple_of(cols),
         "pack_panels: ragged rows"
@@ -137,7 +151,7 @@ pub fn pack_panels(src: &[f32], cols: usize, lanes: usize, out: &mut [f32]) {
             s.spawn(move || {
                 for (i, dst) in part.chunks_mut(panel).enumerate() {
                     let panel_rows = ((first + i) * lanes)..((first + i + 1) * lanes).min(rows);
-                    dst.fill(0.0);
+                    dst.fill(T::default());
                     for (j, row) in panel_rows.enumerate() {
                         let src = &src[row * cols..(row + 1) * cols];
                         for (k, &x) in src.iter().enumerate() {
@@ -198,7 +212,8 @@ pub struct EntryPoint {
     pub chunk: usize,
     /// `Ids` or `Embeddings`: the role of the first argument.
     pub input: Role,
-    /// Arguments in call order: chunk input, `pos0`, `valid`, `head`, weights, KV buffers.
+    /// Arguments in call order: chunk input, `pos0`, `valid`, `head`, weights, the screened
+    /// head's tensors (if any), KV buffers.
     pub args: Vec<TensorSpec>,
     /// Results in order: `next`, `logits`, KV buffers (same order as the KV arguments).
     pub results: Vec<TensorSpec>,
@@ -217,8 +232,12 @@ pub struct Manifest {
     pub kv_layouts: Vec<KvLayout>,
     /// Rows of the sliding layers' buffers.
     pub ring: RingGeometry,
-    /// Layout of the matrix weights.
+    /// Layout of the projections (and of the embedding table, unless `table_layout` says
+    /// otherwise).
     pub weight_layout: WeightLayout,
+    /// Layout of the embedding table: [`WeightLayout::Rows`] in a module with a screened head
+    /// (the f32 table is then read only by rows), else `weight_layout`.
+    pub table_layout: WeightLayout,
     /// A chunk at `pos0` must satisfy `pos0 + C <= capacity` (full-layer buffers have
     /// `capacity` rows, and a dynamic update slice would clamp a write past the end).
     pub capacity: usize,
@@ -243,17 +262,27 @@ impl EntryPoint {
     pub fn kv(&self) -> impl Iterator<Item = &TensorSpec> {
         self.args.iter().filter(|a| a.role == Role::Kv)
     }
+
+    /// The screened head's arguments, in call order ([`SCREEN_WEIGHTS`]); none without a
+    /// screened head.
+    pub fn screen(&self) -> impl Iterator<Item = &TensorSpec> {
+        self.args.iter().filter(|a| a.role == Role::Screen)
+    }
 }
 
 /// The weights every entry point takes, in call order, with their HF names and shapes:
-/// `model.embed_tokens.weight`, then per layer the 13 tensors of [`LAYER_WEIGHTS`], then
-/// `model.norm.weight`; the matrices in `layout` (with [`WeightLayout::Rows`], the shapes of
-/// `model.safetensors`).
-pub fn weight_specs(cfg: &ModelConfig, layout: WeightLayout) -> Vec<TensorSpec> {
+/// `model.embed_tokens.weight` in `table`, then per layer the 13 tensors of [`LAYER_WEIGHTS`]
+/// (the projections in `layout`), then `model.norm.weight` (with [`WeightLayout::Rows`], the
+/// shapes of `model.safetensors`).
+pub fn weight_specs(
+    cfg: &ModelConfig,
+    table: WeightLayout,
+    layout: WeightLayout,
+) -> Vec<TensorSpec> {
     let h = cfg.hidden_size;
     let mut out = vec![weight(
         "model.embed_tokens.weight",
-        &layout.table_dims(cfg.vocab_size, h),
+        &table.table_dims(cfg.vocab_size, h),
     )];
     for layer in 0..cfg.num_layers() {
         for (suffix, _) in LAYER_WEIGHTS {
@@ -267,6 +296,27 @@ pub fn weight_specs(cfg: &ModelConfig, layout: WeightLayout) -> Vec<TensorSpec> 
     }
     out.push(weight("model.norm.weight", &[h]));
     out
+}
+
+/// Names of the screened head's tensors ([`Role::Screen`]), in call order.
+pub const SCREEN_WEIGHTS: [&str; 3] = ["screen.q8", "screen.scale", "screen.slack"];
+
+/// The screened head's tensors: the int8 table as `[ceil(vocab / TABLE_LANES), hidden,
+/// TABLE_LANES]` panels (zero past the last row), then `[vocab]` f32 scales and bounds.
+pub fn screen_specs(cfg: &ModelConfig) -> Vec<TensorSpec> {
+    let [q8, scale, slack] = SCREEN_WEIGHTS;
+    let panels = WeightLayout::Panels.table_dims(cfg.vocab_size, cfg.hidden_size);
+    let spec = |name: &str, dims: &[usize], dtype| TensorSpec {
+        name: name.to_string(),
+        role: Role::Screen,
+        dims: dims.to_vec(),
+        dtype,
+    };
+    vec![
+        spec(q8, &panels, DType::I8),
+        spec(scale, &[cfg.vocab_size], DType::F32),
+        spec(slack, &[cfg.vocab_size], DType::F32),
+    ]
 }
 
 /// Per-layer weight names (after `model.layers.{i}.`) in call order, with what each is.

@@ -41,12 +41,13 @@ mod tuning;
 
 use kvsnap_contract::ModelConfig;
 
-use crate::emit::{FuncBuilder, Module, TensorType, Value};
-use forward::{Forward, LayerWeights};
+use crate::emit::{ElemType, FuncBuilder, Module, TensorType, Value};
+use forward::{Forward, LayerWeights, Screen};
+pub use forward::{SCREEN_BLOCK, SCREEN_BLOCKS};
 pub use manifest::{
-    kv_layouts, kv_specs, pack_panels, weight_specs, DType, EntryPoint, KvLayout, Manifest,
-    RingGeometry, Role, TensorSpec, WeightLayout, LAYER_WEIGHTS, MANIFEST_FORMAT, MANIFEST_VERSION,
-    PROJECTION_LANES, SLIDING_POSITIONS, TABLE_LANES,
+    kv_layouts, kv_specs, pack_panels, screen_specs, weight_specs, DType, EntryPoint, KvLayout,
+    Manifest, RingGeometry, Role, TensorSpec, WeightLayout, LAYER_WEIGHTS, MANIFEST_FORMAT,
+    MANIFEST_VERSION, PROJECTION_LANES, SCREEN_WEIGHTS, SLIDING_POSITIONS, TABLE_LANES,
 };
 pub use tuning::llvm_cpu_tuning_spec;
 
@@ -94,22 +95,50 @@ pub struct GraphOptions {
     /// decode step took 63 ms with branches instead of 42), on llvm-cpu it pays off only where
     /// the skipped work is large.
     pub branches: bool,
+    /// Compute the greedy token alone (the `head` argument 2) by a screen of the tied head
+    /// ([`Role::Screen`] arguments, `kvsnap_reference::head`): an int8 copy of the table
+    /// scores every row, and only the rows whose error bound reaches the best one are
+    /// recomputed in f32. The f32 table is then passed in rows ([`GraphOptions::table_layout`]):
+    /// a step reads it only for those rows, for embedding rows, and in full only when logits
+    /// are asked for. Requires [`WeightLayout::Panels`] (the int8 table is in panels) and a
+    /// config without a final logit softcap (whose rounding can tie logits the screen tells
+    /// apart).
+    pub screen: bool,
 }
 
 impl GraphOptions {
-    /// What llvm-cpu runs best: panel matrices and branches.
+    /// What llvm-cpu runs best: panel matrices, branches and the screened head.
     pub fn llvm_cpu() -> Self {
         GraphOptions {
             layout: WeightLayout::Panels,
             branches: true,
+            screen: true,
         }
     }
 
-    /// What Vulkan runs best: HF matrices, no branches.
+    /// What Vulkan runs best: HF matrices, no branches, the full head.
     pub fn vulkan() -> Self {
         GraphOptions {
             layout: WeightLayout::Rows,
             branches: false,
+            screen: false,
+        }
+    }
+
+    /// These options for `cfg`: without the screen where `cfg` has a final logit softcap.
+    pub fn for_config(self, cfg: &ModelConfig) -> Self {
+        GraphOptions {
+            screen: self.screen && cfg.final_logit_softcapping.is_none(),
+            ..self
+        }
+    }
+
+    /// The layout of the embedding table: rows with the screen, else [`GraphOptions::layout`].
+    pub fn table_layout(self) -> WeightLayout {
+        if self.screen {
+            WeightLayout::Rows
+        } else {
+            self.layout
         }
     }
 
@@ -142,7 +171,14 @@ pub struct Graphs {
 ///
 /// # Panics
 /// If `chunks` is empty or holds 0, or a chunk is longer than the context capacity.
+/// If `chunks` is empty or holds 0, or a chunk is longer than the context capacity; if
+/// `opts.screen` is set without [`WeightLayout::Panels`] or for a softcapped config.
 pub fn build(cfg: &ModelConfig, chunks: &[usize], opts: GraphOptions) -> Graphs {
+    assert!(
+        !opts.screen
+            || (opts.layout == WeightLayout::Panels && cfg.final_logit_softcapping.is_none()),
+        "graphs: the screened head needs panels and no logit softcap"
+    );
     let mut chunks = chunks.to_vec();
     chunks.sort_unstable();
     chunks.dedup();
@@ -168,7 +204,7 @@ pub fn build(cfg: &ModelConfig, chunks: &[usize], opts: GraphOptions) -> Graphs 
     let attention = attention_products(cfg, &chunks, ring, opts);
     Graphs {
         mlir: module.text(),
-        tuning_spec: llvm_cpu_tuning_spec(cfg, opts.layout, &attention),
+        tuning_spec: llvm_cpu_tuning_spec(cfg, opts.table_layout(), opts.layout, &attention),
         manifest: Manifest {
             format: MANIFEST_FORMAT.to_string(),
             version: MANIFEST_VERSION,
@@ -176,6 +212,7 @@ pub fn build(cfg: &ModelConfig, chunks: &[usize], opts: GraphOptions) -> Graphs 
             kv_layouts: kv_layouts(cfg),
             ring,
             weight_layout: opts.layout,
+            table_layout: opts.table_layout(),
             capacity: cfg.context_capacity,
             entry_points,
         },
@@ -230,10 +267,35 @@ pub fn argmax_module(cfg: &ModelConfig) -> String {
     module.text()
 }
 
+/// A module `@screen(q8, scale, slack, table, h) -> tensor<i32>` holding the screened head's
+/// token alone ([`Forward::screen`], after the final norm: `h` is the normalised row), for
+/// llvm-cpu, to test it against `kvsnap_reference::head::TiedHead` with planted tables: the
+/// arguments are [`screen_specs`]'s, the f32 table in rows, and `h: [hidden]`.
+pub fn screen_module(cfg: &ModelConfig) -> String {
+    let mut b = FuncBuilder::new("screen");
+    let specs = screen_specs(cfg);
+    let q8 = b.arg(arg_type(&specs[0]));
+    let scale = b.arg(arg_type(&specs[1]));
+    let slack = b.arg(arg_type(&specs[2]));
+    let table = b.arg(TensorType::f32(&[cfg.vocab_size, cfg.hidden_size]));
+    let h = b.arg(TensorType::f32(&[cfg.hidden_size]));
+    let mut f = Forward {
+        b,
+        cfg,
+        opts: GraphOptions::llvm_cpu(),
+    };
+    let screen = Screen { q8, scale, slack };
+    let next = f.screen(&screen, &table, &h);
+    let mut module = Module::new("screen");
+    module.push(f.b.finish(&[&next]));
+    module.text()
+}
+
 fn arg_type(spec: &TensorSpec) -> TensorType {
     match spec.dtype {
         DType::F32 => TensorType::f32(&spec.dims),
         DType::I32 => TensorType::i32(&spec.dims),
+        DType::I8 => TensorType::new(&spec.dims, ElemType::I8),
     }
 }
 
@@ -264,7 +326,10 @@ fn entry_point(
         spec("valid", Role::Valid, &[], DType::I32),
         spec("head", Role::Head, &[], DType::I32),
     ];
-    args.extend(weight_specs(cfg, opts.layout));
+    args.extend(weight_specs(cfg, opts.table_layout(), opts.layout));
+    if opts.screen {
+        args.extend(screen_specs(cfg));
+    }
     let kv = kv_specs(cfg, ring);
     args.extend(kv.iter().cloned());
     let mut results = vec![
@@ -286,6 +351,11 @@ fn entry_point(
         .map(|_| LayerWeights::from_args(&mut it))
         .collect();
     let norm = it.next().expect("model.norm");
+    let screen = opts.screen.then(|| Screen {
+        q8: it.next().expect("screen.q8"),
+        scale: it.next().expect("screen.scale"),
+        slack: it.next().expect("screen.slack"),
+    });
     let mut kv_in: Vec<Value> = it.collect();
     let positions = kv_in.pop().expect("sliding.positions");
     assert_eq!(kv_in.len(), 2 * cfg.num_layers(), "one K and V per layer");
@@ -303,7 +373,7 @@ fn entry_point(
         x = nx;
         kv_out.extend([k, v]);
     }
-    let (next, logits) = f.head_if(&head, &ch, &x, &norm, &embed);
+    let (next, logits) = f.head_if(&head, &ch, &x, &norm, &embed, screen.as_ref());
     let mut outs = vec![&next, &logits];
     outs.extend(kv_out.iter());
     outs.push(&positions);

@@ -30,13 +30,14 @@ use super::manifest::{weight_specs, WeightLayout};
 /// where the two products' operand types would be alike.
 pub fn llvm_cpu_tuning_spec(
     cfg: &ModelConfig,
+    table: WeightLayout,
     layout: WeightLayout,
     attention: &[(usize, usize)],
 ) -> Option<String> {
     if layout != WeightLayout::Panels {
         return None;
     }
-    let mut types: Vec<Vec<usize>> = weight_specs(cfg, layout)
+    let mut types: Vec<Vec<usize>> = weight_specs(cfg, table, layout)
         .into_iter()
         .filter(|w| w.dims.len() == 3)
         .map(|w| w.dims)
@@ -108,8 +109,9 @@ mod tests {
     #[test]
     fn only_the_panel_layout_is_tuned_and_the_spec_matches_each_panel_shape() {
         let cfg = config(Preset::RealShapes);
-        assert_eq!(llvm_cpu_tuning_spec(&cfg, WeightLayout::Rows, &[]), None);
-        let spec = llvm_cpu_tuning_spec(&cfg, WeightLayout::Panels, &[]).unwrap();
+        let (rows, panels) = (WeightLayout::Rows, WeightLayout::Panels);
+        assert_eq!(llvm_cpu_tuning_spec(&cfg, rows, rows, &[]), None);
+        let spec = llvm_cpu_tuning_spec(&cfg, panels, panels, &[]).unwrap();
         // One matcher per panel shape: the table, q, k and v, o, gate and up, down.
         for (dims, per_workgroup, lanes) in [
             ("16384x640x16", 64, 16),
@@ -131,14 +133,23 @@ mod tests {
             );
         }
         assert_eq!(spec.matches("-> @apply_op_config").count(), 6);
+        // A table in rows (a screened head's module) has no panel shape to match.
+        let spec = llvm_cpu_tuning_spec(&cfg, rows, panels, &[]).unwrap();
+        assert!(!spec.contains("16384x640x16"));
+        assert_eq!(spec.matches("-> @apply_op_config").count(), 5);
     }
 
     #[test]
     fn attention_products_get_8_x_32_tiles_except_where_rows_equal_head_dim() {
         let cfg = config(Preset::RealShapes);
         let hd = cfg.head_dim;
-        let spec =
-            llvm_cpu_tuning_spec(&cfg, WeightLayout::Panels, &[(256, 640), (64, hd)]).unwrap();
+        let spec = llvm_cpu_tuning_spec(
+            &cfg,
+            WeightLayout::Panels,
+            WeightLayout::Panels,
+            &[(256, 640), (64, hd)],
+        )
+        .unwrap();
         // Six panel shapes and the one product whose operand types tell P . V from q . k^T.
         assert_eq!(spec.matches("-> @apply_op_config").count(), 7);
         let p = "%p = tensor<256x640xf32>";

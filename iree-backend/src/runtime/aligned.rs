@@ -65,6 +65,15 @@ impl AlignedBytes {
     }
 }
 
+impl AlignedBytes {
+    /// The bytes as i8s, to fill in place.
+    pub fn as_mut_i8(&mut self) -> &mut [i8] {
+        // SAFETY: `len` initialised bytes, borrowed mutably through `self`; every bit pattern is
+        // a valid i8.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.cast::<i8>(), self.len) }
+    }
+}
+
 impl AsRef<[u8]> for AlignedBytes {
     fn as_ref(&self) -> &[u8] {
         // SAFETY: `len` initialised bytes at `ptr`, owned by `self`.

@@ -27,6 +27,8 @@ pub enum ElementType {
     I64,
     /// 8-bit boolean (`i1` tensors are stored one byte per element).
     Bool,
+    /// 8-bit integer (`i8`, signless).
+    I8,
 }
 
 impl ElementType {
@@ -36,7 +38,7 @@ impl ElementType {
             ElementType::F32 | ElementType::I32 => 4,
             ElementType::F16 => 2,
             ElementType::I64 => 8,
-            ElementType::Bool => 1,
+            ElementType::Bool | ElementType::I8 => 1,
         }
     }
 
@@ -47,6 +49,7 @@ impl ElementType {
             ElementType::I32 => sys::iree_hal_element_types_t_IREE_HAL_ELEMENT_TYPE_INT_32,
             ElementType::I64 => sys::iree_hal_element_types_t_IREE_HAL_ELEMENT_TYPE_INT_64,
             ElementType::Bool => sys::iree_hal_element_types_t_IREE_HAL_ELEMENT_TYPE_BOOL_8,
+            ElementType::I8 => sys::iree_hal_element_types_t_IREE_HAL_ELEMENT_TYPE_INT_8,
         }) as sys::iree_hal_element_type_t
     }
 
@@ -63,6 +66,9 @@ impl ElementType {
             | sys::iree_hal_element_types_t_IREE_HAL_ELEMENT_TYPE_SINT_64
             | sys::iree_hal_element_types_t_IREE_HAL_ELEMENT_TYPE_UINT_64 => I64,
             sys::iree_hal_element_types_t_IREE_HAL_ELEMENT_TYPE_BOOL_8 => Bool,
+            sys::iree_hal_element_types_t_IREE_HAL_ELEMENT_TYPE_INT_8
+            | sys::iree_hal_element_types_t_IREE_HAL_ELEMENT_TYPE_SINT_8
+            | sys::iree_hal_element_types_t_IREE_HAL_ELEMENT_TYPE_UINT_8 => I8,
             _ => return None,
         };
         Some(t)
