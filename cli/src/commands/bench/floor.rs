@@ -6,11 +6,11 @@
 //! floor is the roofline `max(bytes / read bandwidth, flops / SGEMM rate)`: a decode step is
 //! bound by the bytes, a long prefill by the FLOPs.
 //!
-//! The head's bytes depend on the backend ([`HeadRead`]): the reference backend finds the greedy
-//! token from an int8 copy of the table and recomputes a few rows in f32
-//! (`kvsnap_reference::head`), a quarter of the f32 table's bytes; the IREE graphs read the
-//! f32 table. Each figure is set against the floor of what its backend reads, and the catalog
-//! report also gives the floor of the f32 head.
+//! The head's bytes depend on the backend ([`HeadRead`]): the reference and iree-cpu find the
+//! greedy token from an int8 copy of the table and recompute a few rows in f32
+//! (`kvsnap_reference::head`, `GraphOptions::screen`), a quarter of the f32 table's bytes;
+//! iree-vulkan reads the f32 table. Each figure is set against the floor of what its backend
+//! reads, and the catalog report also gives the floor of the f32 head.
 
 use kvsnap_contract::{KvModel, LayerKind, ModelConfig};
 
@@ -22,10 +22,10 @@ const F32: u64 = 4;
 /// How a backend's tied head reads its table when only the greedy token is wanted.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum HeadRead {
-    /// Every f32 weight of the table (the IREE graphs).
+    /// Every f32 weight of the table (iree-vulkan).
     F32,
     /// An int8 copy with a scale and an error bound per row, plus the rows it recomputes in
-    /// f32, counted as one (the reference backend; a few on the real model).
+    /// f32, counted as one (the reference and iree-cpu; a few on the real model).
     Int8Screen,
 }
 
@@ -33,7 +33,7 @@ impl HeadRead {
     /// What `backend` (a [`KvModel::backend`] name) reads.
     pub fn of_backend(backend: &str) -> Self {
         match backend {
-            "reference" => HeadRead::Int8Screen,
+            "reference" | "iree-cpu" => HeadRead::Int8Screen,
             _ => HeadRead::F32,
         }
     }
