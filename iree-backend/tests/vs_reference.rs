@@ -456,17 +456,7 @@ fn screened_head_matches_the_reference_screen_on_planted_tables() {
             .collect();
         kvsnap_contract::argmax(&logits)
     };
-    let values = |n: usize, seed: u64| -> Vec<f32> {
-        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-            })
-            .collect()
-    };
+    let values = kvsnap_reference::tiny::uniform;
     let base = values(vocab * hidden, 7);
     for (case, seed) in (0..6).map(|i| (format!("random state {i}"), 100 + i)) {
         let h = values(hidden, seed);

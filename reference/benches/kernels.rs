@@ -38,15 +38,7 @@ const PROJECTIONS: [(&str, usize, usize); 4] = [
 
 /// Deterministic values in [-1, 1).
 fn values(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect()
+    kvsnap_reference::tiny::uniform(n, seed)
 }
 
 fn bench_matvec(c: &mut Criterion) {

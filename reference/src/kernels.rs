@@ -590,15 +590,7 @@ pub(crate) mod tests {
 
     /// Deterministic values in [-1, 1).
     pub(crate) fn values(n: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-            })
-            .collect()
+        crate::tiny::uniform(n, seed)
     }
 
     fn max_diff(a: &[f32], b: &[f32]) -> f32 {

@@ -20,6 +20,21 @@ use serde::Serialize;
 
 use crate::weights::{write_safetensors, TensorOut};
 
+/// `n` deterministic values in [-1, 1) from a xorshift stream seeded by `seed`: the operands of
+/// the kernel tests, the criterion benches and the IREE screen test (not the models' weights,
+/// which come from [`random_weights`]).
+pub fn uniform(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
 /// Seed used when the caller does not choose one (the committed tiny goldens use it).
 pub const DEFAULT_SEED: u64 = 0;
 

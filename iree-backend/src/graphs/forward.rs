@@ -13,7 +13,7 @@ use kvsnap_contract::{LayerKind, ModelConfig};
 
 use super::manifest::{RingGeometry, WeightLayout, TABLE_LANES};
 use super::GraphOptions;
-use crate::emit::{Cmp, DotDims, ElemType, FuncBuilder, Reduction, Value};
+use crate::emit::{Cmp, DotDims, ElemType, FuncBuilder, Reduction, Region, Value};
 
 /// Mask value of invisible attention scores: finite, so that a padding row that sees no key gets
 /// a uniform (finite) softmax instead of NaN, and `exp(MASKED - max)` is exactly 0 for a row
@@ -739,7 +739,12 @@ impl<'a> Forward<'a> {
         let open = self.b.open_region();
         let (next, logits) = self.head_or_none(flag, ch, x, norm, embed);
         let otherwise = self.b.close_region(open, &[&next, &logits]);
-        let mut out = self.b.if_else(&pred, then, otherwise).into_iter();
+        self.next_and_logits(&pred, then, otherwise)
+    }
+
+    /// The `(next, logits)` of a head's `stablehlo.if` on `pred`.
+    fn next_and_logits(&mut self, pred: &Value, then: Region, otherwise: Region) -> (Value, Value) {
+        let mut out = self.b.if_else(pred, then, otherwise).into_iter();
         let next = out.next().expect("two results");
         let logits = out.next().expect("two results");
         (next, logits)
@@ -768,10 +773,7 @@ impl<'a> Forward<'a> {
         let no_next = self.i32(0, &[]);
         let no_logits = self.f32(0.0, &[self.cfg.vocab_size]);
         let otherwise = self.b.close_region(open, &[&no_next, &no_logits]);
-        let mut out = self.b.if_else(&pred, then, otherwise).into_iter();
-        let next = out.next().expect("two results");
-        let logits = out.next().expect("two results");
-        (next, logits)
+        self.next_and_logits(&pred, then, otherwise)
     }
 
     /// The final norm of the last valid row.
