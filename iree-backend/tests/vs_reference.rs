@@ -486,6 +486,74 @@ fn screened_head_matches_the_reference_screen_on_planted_tables() {
     assert_eq!(run(&base, &h), -1, "NaN state");
 }
 
+/// The host's fallback when the screen cannot settle the token: a model whose embedding rows
+/// are all alike leaves every 16-row block a candidate (64 of them, more than the screen
+/// recomputes), so each call without logits runs its chunk again with the full head. The
+/// token is still the full head's (every logit ties: the lowest id), the reference's screen
+/// agrees, and the state the rerun leaves continues exactly as one built with logits.
+#[test]
+fn unsettled_screen_reruns_the_chunk_with_the_full_head() {
+    use kvsnap_contract::ModelConfig;
+    use kvsnap_reference::tiny::{config_json, random_weights};
+    use kvsnap_reference::write_safetensors;
+
+    if let Err(e) = Compiler::discover() {
+        eprintln!("SKIPPED: iree-compile not found ({e})");
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("kvsnap-screen-rerun-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut json: serde_json::Value = serde_json::from_str(&config_json(Preset::Tiny)).unwrap();
+    json["vocab_size"] = 1024.into();
+    std::fs::write(dir.join("config.json"), json.to_string()).unwrap();
+    let cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
+    let mut tensors = random_weights(&cfg, 3);
+    let embed = tensors
+        .iter_mut()
+        .find(|t| t.name == "model.embed_tokens.weight")
+        .unwrap();
+    let row = embed.data[..cfg.hidden_size].to_vec();
+    for r in embed.data.chunks_exact_mut(cfg.hidden_size) {
+        r.copy_from_slice(&row);
+    }
+    write_safetensors(&dir.join("model.safetensors"), &tensors, None).unwrap();
+    let iree = IreeModel::load(&dir, &IreeOptions::cpu()).unwrap();
+    let reference = ReferenceModel::load(&dir).unwrap();
+    let (skip, ret) = (Logits::Skip, Logits::Return);
+
+    let ids = [5u32, 9, 200, 1000, 17];
+    let (mut a, na) = iree.prefill(&ids, skip).unwrap();
+    assert_eq!(
+        iree.screen_fallbacks(),
+        1,
+        "the prefill's last chunk ran again"
+    );
+    let (mut b, nb) = iree.prefill(&ids, ret).unwrap();
+    assert_eq!(
+        iree.screen_fallbacks(),
+        1,
+        "a call with logits has no screen"
+    );
+    assert_eq!(
+        (na.token, nb.token),
+        (0, 0),
+        "all logits tie: the lowest id"
+    );
+    assert_eq!(reference.prefill(&ids, skip).unwrap().1.token, 0);
+    for (i, id) in [3u32, 700, 42].into_iter().enumerate() {
+        let sa = iree.step(&mut a, id, skip).unwrap();
+        assert_eq!(iree.screen_fallbacks(), 2 + i as u64);
+        let sb = iree.step(&mut b, id, ret).unwrap();
+        assert_eq!(sa.token, sb.token, "step {i}");
+    }
+    // The reruns left `a` as the calls with logits left `b`: the next logits are equal.
+    let la = iree.step(&mut a, 11, ret).unwrap();
+    let lb = iree.step(&mut b, 11, ret).unwrap();
+    assert_eq!(la.logits, lb.logits);
+    assert_eq!(iree.len(&a), ids.len() + 4);
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 /// The default entry points follow the target (embeddings-input on Vulkan, ids-input on the
 /// CPU), and the other kind compiles and serves prefill, extend and step on the same target too.
 fn both_input_kinds_serve_every_operation(p: &Pair) {
