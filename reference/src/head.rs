@@ -37,7 +37,7 @@ pub struct TiedHead {
     scale: Vec<f32>,
     /// `[vocab]`: `|e - ã| <= |h| slack` for the row's f32 and approximate logits.
     slack: Vec<f32>,
-    /// Whether every weight is finite; the bound assumes it.
+    /// Whether every bound is finite (so every weight is): the bound assumes it.
     finite: bool,
 }
 
@@ -75,7 +75,8 @@ impl TiedHead {
                 // Rounded up: `as f32` rounds to nearest, within 2^-24 relative.
                 *slack = (bound * (1.0 + 1e-6)) as f32;
             });
-        let finite = table.par_iter().all(|w| w.is_finite());
+        // A weight that is not finite makes its row's norm, and so its bound, not finite.
+        let finite = slack.iter().all(|s| s.is_finite());
         TiedHead {
             hidden,
             q,
@@ -160,15 +161,10 @@ impl TiedHead {
         &self.slack
     }
 
-    /// Whether every weight is finite (else the bound says nothing and [`TiedHead::argmax`]
-    /// always returns `None`).
+    /// Whether every weight is finite and every bound representable (else the bound says
+    /// nothing and [`TiedHead::argmax`] always returns `None`).
     pub fn is_finite(&self) -> bool {
         self.finite
-    }
-
-    /// Bytes of the int8 copy, its scales and the bounds.
-    pub fn bytes(&self) -> u64 {
-        (self.q.len() + (self.scale.len() + self.slack.len()) * 4) as u64
     }
 }
 

@@ -16,7 +16,7 @@ use crate::weights::{Tensor, Weights};
 pub struct ReferenceModel {
     cfg: ModelConfig,
     embed_tokens: Tensor, // [vocab, hidden], also the tied LM head
-    head: TiedHead,       // bfloat16 copy of embed_tokens for the greedy token
+    head: TiedHead,       // int8 copy of embed_tokens for the greedy token
     layers: Vec<DecoderLayer>,
     norm: RmsNorm, // [hidden]
     /// Test hook: `1 + layer` after which the next forward pass fails, 0 when disarmed.
@@ -47,7 +47,7 @@ impl ReferenceModel {
             .collect::<Result<Vec<_>>>()?;
         let norm = RmsNorm::load(&w, "model.norm", cfg.hidden_size, cfg.rms_norm_eps)?;
         let head = TiedHead::new(&embed_tokens, cfg.hidden_size);
-        // Decode reads the bfloat16 copy; the f32 table serves embedding rows, the few rows the
+        // Decode reads the int8 copy; the f32 table serves embedding rows, the few rows the
         // head recomputes and requested logits. Its pages, all read by the copy, need not stay
         // in this process's RSS (advice: an error changes nothing).
         let _ = embed_tokens.release_resident_pages();
@@ -125,7 +125,7 @@ impl ReferenceModel {
     }
 
     /// Final norm and tied LM head of one position: with [`Logits::Skip`] the greedy token by
-    /// [`TiedHead`] (half the bytes, the same token), otherwise every logit in f32.
+    /// [`TiedHead`] (a quarter of the bytes, the same token), otherwise every logit in f32.
     fn head(&self, last: &[f32], want: Logits) -> Next {
         let mut h = vec![0.0; last.len()];
         self.norm.forward(&mut h, last);

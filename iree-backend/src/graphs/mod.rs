@@ -268,7 +268,7 @@ pub fn argmax_module(cfg: &ModelConfig) -> String {
 }
 
 /// A module `@screen(q8, scale, slack, table, h) -> tensor<i32>` holding the screened head's
-/// token alone ([`Forward::screen`], after the final norm: `h` is the normalised row), for
+/// token alone (`Forward::screen`, after the final norm: `h` is the normalised row), for
 /// llvm-cpu, to test it against `kvsnap_reference::head::TiedHead` with planted tables: the
 /// arguments are [`screen_specs`]'s, the f32 table in rows, and `h: [hidden]`.
 pub fn screen_module(cfg: &ModelConfig) -> String {
