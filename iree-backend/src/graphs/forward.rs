@@ -24,8 +24,8 @@ const MASKED: f32 = -1.0e30;
 /// 262144 logits hits lavapipe's shader loop limit).
 const ARGMAX_INNER: usize = 512;
 
-/// Rows per block of the screened head (the graphs' `Forward::screen`): the blocks whose best upper bound
-/// reaches the best lower bound are recomputed in f32, every row of them.
+/// Rows per block of the screened head (the graphs' `Forward::screen`): the blocks whose best
+/// upper bound reaches the best lower bound are recomputed in f32, every row of them.
 pub const SCREEN_BLOCK: usize = TABLE_LANES;
 
 /// Blocks the screened head recomputes at most; where more blocks hold candidates, `next` is
