@@ -116,6 +116,11 @@ pub struct Args {
     /// Bytes of the read-bandwidth buffer (well above the last-level cache).
     #[arg(long, default_value_t = 1 << 30)]
     bandwidth_bytes: u64,
+    /// `catalog`: bytes of the bandwidth probe run before every turn and after the last, so that
+    /// each turn is also set against the bandwidth of its own moment (0: no probes). Its pages
+    /// are subtracted from the peak RSS.
+    #[arg(long, default_value_t = 256 << 20)]
+    probe_bytes: u64,
     /// Side of the square SGEMM that measures the FLOP rate.
     #[arg(long, default_value_t = 2048)]
     sgemm_n: usize,
@@ -234,6 +239,9 @@ fn run_model<M: KvModel>(
 ) -> anyhow::Result<Value> {
     let cost = CostModel::of(model);
     let before = limits::measure(args.bandwidth_bytes, args.sgemm_n);
+    // Made before the reset, resident throughout: the peak minus its pages is the scenario's.
+    let probe = (matches!(scenario, ModelScenario::Catalog) && args.probe_bytes > 0)
+        .then(|| limits::Probe::new(args.probe_bytes));
     let rss_reset = reset_peak_rss();
     if !rss_reset {
         eprintln!("warning: could not reset the peak RSS; it includes the bandwidth buffer");
@@ -249,8 +257,13 @@ fn run_model<M: KvModel>(
                 turns,
                 args.steps,
                 args.measure_stateless,
+                probe.as_ref(),
             )?;
-            (Measured::Catalog(run), peak_rss_bytes()?)
+            let probe_rss = probe.as_ref().map_or(0, limits::Probe::resident_bytes);
+            (
+                Measured::Catalog(run),
+                peak_rss_bytes()?.saturating_sub(probe_rss),
+            )
         }
         ModelScenario::Scaling => {
             let turns = args.turns.unwrap_or(5);
@@ -416,17 +429,30 @@ pub fn median(values: &[f64]) -> f64 {
 
 /// The process's peak resident set (VmHWM) in bytes.
 pub fn peak_rss_bytes() -> anyhow::Result<u64> {
+    status_bytes("VmHWM")
+}
+
+/// The resident set of this process now, in bytes (Linux: `VmRSS` of /proc/self/status).
+pub fn rss_bytes() -> anyhow::Result<u64> {
+    status_bytes("VmRSS")
+}
+
+/// A `kB` field of /proc/self/status, in bytes.
+fn status_bytes(field: &str) -> anyhow::Result<u64> {
     let status =
         std::fs::read_to_string("/proc/self/status").context("reading /proc/self/status")?;
     let line = status
         .lines()
-        .find(|l| l.starts_with("VmHWM:"))
-        .context("/proc/self/status has no VmHWM line")?;
+        .find(|l| {
+            l.strip_prefix(field)
+                .is_some_and(|rest| rest.starts_with(':'))
+        })
+        .with_context(|| format!("/proc/self/status has no {field} line"))?;
     let kib: u64 = line
         .split_whitespace()
         .nth(1)
         .and_then(|v| v.parse().ok())
-        .with_context(|| format!("unreadable VmHWM line `{line}`"))?;
+        .with_context(|| format!("unreadable {field} line `{line}`"))?;
     Ok(kib * 1024)
 }
 

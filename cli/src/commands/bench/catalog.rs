@@ -9,7 +9,7 @@ use kvsnap_contract::{KvModel, Logits};
 use serde_json::{json, Value};
 
 use super::floor::{CostModel, HeadRead};
-use super::limits::Limits;
+use super::limits::{Limits, Probe};
 use super::{fmt_s, median, percentile, Workload};
 
 /// Timings of one served turn.
@@ -45,6 +45,9 @@ pub struct Served {
     pub memcpy_s: f64,
     /// The turns, in order.
     pub turns: Vec<Turn>,
+    /// Read bandwidth of the probe (bytes/s) before each turn and after the last: `turns + 1`
+    /// values, or none when no probe ran.
+    pub probe_read_bps: Vec<f64>,
 }
 
 impl Served {
@@ -69,13 +72,14 @@ pub struct Stateless {
 
 /// Prefills the prefix `prefill_reps` times (one prefill is a single, noisy sample of the
 /// figure most often compared), snapshots the last one and serves `turns` turns of
-/// `extend + steps`.
+/// `extend + steps`, with `probe` run before each turn and after the last when given.
 pub fn serve<M: KvModel>(
     model: &M,
     w: &Workload,
     prefill_reps: usize,
     turns: usize,
     steps: usize,
+    probe: Option<&Probe>,
 ) -> anyhow::Result<Served> {
     ensure!(turns > 0, "at least one turn");
     ensure!(prefill_reps > 0, "at least one prefill of the prefix");
@@ -107,6 +111,7 @@ pub fn serve<M: KvModel>(
     );
 
     let mut served = Vec::with_capacity(turns);
+    let mut probe_read_bps: Vec<f64> = probe.map(Probe::read_bps).into_iter().collect();
     for index in 0..turns {
         let t0 = Instant::now();
         let mut kv = model.snapshot(&snapshot)?;
@@ -124,8 +129,15 @@ pub fn serve<M: KvModel>(
         }
         model.release(kv)?;
         let total_s = t0.elapsed().as_secs_f64();
+        let probed = match probe {
+            Some(p) => {
+                probe_read_bps.push(p.read_bps());
+                format!(", then read {:.1} GB/s", probe_read_bps[index + 1] / 1e9)
+            }
+            None => String::new(),
+        };
         eprintln!(
-            "turn {}/{turns}: {} (restore {}, extend {}, steps {})",
+            "turn {}/{turns}: {} (restore {}, extend {}, steps {}{probed})",
             index + 1,
             fmt_s(total_s),
             fmt_s(restore_s),
@@ -154,6 +166,7 @@ pub fn serve<M: KvModel>(
         live_kv_bytes,
         memcpy_s: memcpy_seconds(live_kv_bytes as usize),
         turns: served,
+        probe_read_bps,
     })
 }
 
@@ -252,7 +265,7 @@ fn evict(buf: &[u8]) {
     let _ = buf;
 }
 
-/// Measures the whole catalog scenario.
+/// Measures the whole catalog scenario, `probe` run around every turn when given.
 pub fn measure<M: KvModel>(
     model: &M,
     w: &Workload,
@@ -260,8 +273,9 @@ pub fn measure<M: KvModel>(
     turns: usize,
     steps: usize,
     measure_stateless: bool,
+    probe: Option<&Probe>,
 ) -> anyhow::Result<(Served, Stateless)> {
-    let served = serve(model, w, prefill_reps, turns, steps)?;
+    let served = serve(model, w, prefill_reps, turns, steps, probe)?;
     let cost = CostModel::of(model);
     let stateless = stateless_turn(
         model,
@@ -271,6 +285,54 @@ pub fn measure<M: KvModel>(
         measure_stateless,
     )?;
     Ok((served, stateless))
+}
+
+/// Each turn against the floor at the bandwidth probed next to it: the better of the probes
+/// before and after the turn.
+struct Probed {
+    /// The turn's floor at its probed bandwidth.
+    turn_floor_s: Vec<f64>,
+    /// The turn's time over that floor.
+    turn_x: Vec<f64>,
+    /// The floor of the turn's middle decode step at its probed bandwidth.
+    step_floor_s: Vec<f64>,
+    /// The turn's median decode step over that floor.
+    step_x: Vec<f64>,
+}
+
+impl Probed {
+    /// `None` unless `served` ran a probe around every turn.
+    fn new(
+        served: &Served,
+        limits: &Limits,
+        turn_floor: impl Fn(&Limits) -> f64,
+        step_floor: impl Fn(&Limits) -> f64,
+    ) -> Option<Probed> {
+        let bps = &served.probe_read_bps;
+        if bps.len() != served.turns.len() + 1 {
+            return None;
+        }
+        let mut p = Probed {
+            turn_floor_s: Vec::new(),
+            turn_x: Vec::new(),
+            step_floor_s: Vec::new(),
+            step_x: Vec::new(),
+        };
+        for (turn, pair) in served.turns.iter().zip(bps.windows(2)) {
+            let at = Limits {
+                read_bandwidth_bps: pair[0].max(pair[1]),
+                ..*limits
+            };
+            let (turn_floor, step_floor) = (turn_floor(&at), step_floor(&at));
+            p.turn_floor_s.push(turn_floor);
+            p.turn_x.push(turn.total_s / turn_floor);
+            p.step_floor_s.push(step_floor);
+            if !turn.step_s.is_empty() {
+                p.step_x.push(median(&turn.step_s) / step_floor);
+            }
+        }
+        Some(p)
+    }
 }
 
 /// The catalog figures with their floors.
@@ -321,10 +383,14 @@ impl Report {
         let floor_step = mid_step.floor_s(limits);
         // The same step with every f32 weight of the head read: the f32 model's floor.
         let f32_step = cost.with_head(HeadRead::F32).chunk(prompt + steps / 2, 1);
-        let floor_turn = floor_extend
-            + (0..steps)
-                .map(|s| cost.chunk(prompt + s, 1).floor_s(limits))
-                .sum::<f64>();
+        let turn_floor_at = |limits: &Limits| {
+            extend_work.floor_s(limits)
+                + (0..steps)
+                    .map(|s| cost.chunk(prompt + s, 1).floor_s(limits))
+                    .sum::<f64>()
+        };
+        let floor_turn = turn_floor_at(limits);
+        let probed = Probed::new(served, limits, turn_floor_at, |l| mid_step.floor_s(l));
         let weights = cost.weights_bytes();
         let greedy_ok = served.turns[0]
             .tokens
@@ -333,7 +399,7 @@ impl Report {
             .take_while(|(a, b)| a == b)
             .count();
 
-        let json = json!({
+        let mut json = json!({
             "backend": backend,
             "case": w.case,
             "prefix_tokens": np,
@@ -375,8 +441,22 @@ impl Report {
             "greedy_matches_oracle_prefix": greedy_ok,
         });
 
+        // The probed figures (null without probes).
+        let median_of = |v: &[f64]| (!v.is_empty()).then(|| median(v));
+        let probe_fields = json!({
+            "probe_read_bps": served.probe_read_bps,
+            "turn_probe_floor_s": probed.as_ref().map(|p| &p.turn_floor_s),
+            "turn_x_probe_floor": probed.as_ref().map(|p| &p.turn_x),
+            "turn_x_probe_floor_p50": probed.as_ref().and_then(|p| median_of(&p.turn_x)),
+            "decode_step_x_probe_floor": probed.as_ref().map(|p| &p.step_x),
+            "decode_step_x_probe_floor_p50": probed.as_ref().and_then(|p| median_of(&p.step_x)),
+        });
+        if let (Some(fields), Value::Object(probe)) = (json.as_object_mut(), probe_fields) {
+            fields.extend(probe);
+        }
+
         let x = |measured: f64, floor: f64| format!("{:.2}x", measured / floor);
-        let table = vec![
+        let mut table = vec![
             [
                 format!(
                     "prefix prefill ({np} tok), median of {}",
@@ -410,6 +490,30 @@ impl Report {
                 fmt_s(floor_step),
                 x(decode_step_s, floor_step),
             ],
+        ];
+        if let Some(p) = &probed {
+            let range = |v: &[f64]| {
+                let (lo, hi) = v.iter().fold((f64::INFINITY, 0.0f64), |(lo, hi), &x| {
+                    (lo.min(x), hi.max(x))
+                });
+                format!("{:.2}x ({lo:.2}-{hi:.2})", median(v))
+            };
+            table.push([
+                "turn, each at its probed bandwidth".into(),
+                fmt_s(p50),
+                fmt_s(median(&p.turn_floor_s)),
+                range(&p.turn_x),
+            ]);
+            if !p.step_x.is_empty() {
+                table.push([
+                    "decode step, each turn's median likewise".into(),
+                    fmt_s(decode_step_s),
+                    fmt_s(median(&p.step_floor_s)),
+                    range(&p.step_x),
+                ]);
+            }
+        }
+        table.extend([
             [
                 "snapshot of the prefix (first)".into(),
                 fmt_s(served.snapshot_s),
@@ -439,14 +543,14 @@ impl Report {
                 format!("{:.0} MB weights", weights as f64 / 1e6),
                 format!("{:+.0} MB", (peak_rss as f64 - weights as f64) / 1e6),
             ],
-        ];
+        ]);
         let header = format!(
             "catalog `{}` on {backend}: {np}-token prefix prefilled once ({:.1} MiB KV), {} turns of restore + extend {nu} + {steps} greedy steps",
             w.case,
             served.kv_bytes as f64 / (1 << 20) as f64,
             served.turns.len()
         );
-        let footer = vec![
+        let mut footer = vec![
             format!(
                 "prefill {:.0} tok/s = {:.0}% of the SGEMM rate; decode {:.1} tok/s = {:.0}% of the read bandwidth ({:.0} MB per step, head {}; {:.2}x the floor of the f32 head's {:.0} MB)",
                 np as f64 / prefill_s,
@@ -466,6 +570,18 @@ impl Report {
                 w.greedy.len().min(served.turns[0].tokens.len())
             ),
         ];
+        if !served.probe_read_bps.is_empty() {
+            let bps = &served.probe_read_bps;
+            let (lo, hi) = bps.iter().fold((f64::INFINITY, 0.0f64), |(lo, hi), &x| {
+                (lo.min(x), hi.max(x))
+            });
+            footer.push(format!(
+                "probes before each turn and after the last: read {:.1}-{:.1} GB/s (median {:.1}); a turn's floor takes the better of its two",
+                lo / 1e9,
+                hi / 1e9,
+                median(bps) / 1e9
+            ));
+        }
         Report {
             json,
             table,
@@ -529,6 +645,55 @@ mod tests {
         model
     }
 
+    /// Each turn is set against the better of the probes around it, and the floor follows the
+    /// bandwidth: at twice the bandwidth a bytes-bound floor halves.
+    #[test]
+    fn each_turn_takes_the_better_probe_around_it() {
+        let turn = |total_s: f64, step_s: Vec<f64>| Turn {
+            restore_s: 0.0,
+            extend_s: 0.0,
+            step_s,
+            total_s,
+            tokens: Vec::new(),
+        };
+        let served = Served {
+            prefill_runs_s: vec![1.0],
+            snapshot_s: 0.0,
+            kv_bytes: 0,
+            live_kv_bytes: 0,
+            memcpy_s: 0.0,
+            turns: vec![turn(2.0, vec![0.1, 0.3, 0.2]), turn(3.0, vec![0.4])],
+            probe_read_bps: vec![10.0, 20.0, 40.0],
+        };
+        let limits = Limits {
+            read_bandwidth_bps: 1.0,
+            sgemm_flops: 1.0,
+            sgemm_gemm_crate_flops: 1.0,
+            sgemm_reference_flops: 1.0,
+            buffer_bytes: 0,
+            sgemm_n: 0,
+            threads: 2,
+        };
+        // A bytes-bound floor: 100 bytes a turn, 4 bytes a step.
+        let p = Probed::new(
+            &served,
+            &limits,
+            |l| 100.0 / l.read_bandwidth_bps,
+            |l| 4.0 / l.read_bandwidth_bps,
+        )
+        .unwrap();
+        assert_eq!(p.turn_floor_s, vec![100.0 / 20.0, 100.0 / 40.0]);
+        assert_eq!(p.turn_x, vec![2.0 / 5.0, 3.0 / 2.5]);
+        assert_eq!(p.step_floor_s, vec![4.0 / 20.0, 4.0 / 40.0]);
+        assert_eq!(p.step_x, vec![0.2 / 0.2, 0.4 / 0.1]);
+
+        let unprobed = Served {
+            probe_read_bps: Vec::new(),
+            ..served
+        };
+        assert!(Probed::new(&unprobed, &limits, |_| 1.0, |_| 1.0).is_none());
+    }
+
     /// Turns from one snapshot produce the same tokens, and so does the stateless redecode of
     /// every step: the scenario times the same computation both ways.
     #[test]
@@ -540,8 +705,18 @@ mod tests {
             utterance: vec![105, 40, 41],
             greedy: Vec::new(),
         };
-        let served = serve(&model, &w, 2, 3, 4).unwrap();
+        let probe = Probe::new(1 << 20);
+        let served = serve(&model, &w, 2, 3, 4, Some(&probe)).unwrap();
         assert_eq!(served.prefill_runs_s.len(), 2);
+        assert_eq!(
+            served.probe_read_bps.len(),
+            4,
+            "a probe before each turn and after the last"
+        );
+        assert!(served
+            .probe_read_bps
+            .iter()
+            .all(|&b| b.is_finite() && b > 0.0));
         assert!(served.prefill_runs_s.contains(&served.prefill_s()));
         assert_eq!(served.turns.len(), 3);
         assert!(served

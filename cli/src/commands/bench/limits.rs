@@ -80,12 +80,21 @@ pub fn measure(buffer_bytes: u64, sgemm_n: usize) -> Limits {
 
 /// Best-of-`passes` bytes/s of a parallel sum over `len` f32 (pages touched beforehand).
 fn read_bandwidth(len: usize, passes: usize) -> f64 {
-    // Touch every page in parallel, with values the compiler cannot fold away.
+    best_sum_rate(&touched(len), passes)
+}
+
+/// `len` f32 whose pages are all mapped, holding values the compiler cannot fold away.
+fn touched(len: usize) -> Vec<f32> {
     let mut buf = vec![0.0f32; len];
     buf.par_chunks_mut(1 << 16)
         .enumerate()
         .for_each(|(i, c)| c.fill(i as f32 * 1e-9));
-    let bytes = (len * 4) as f64;
+    buf
+}
+
+/// Best-of-`passes` bytes/s of a parallel sum over `buf`.
+fn best_sum_rate(buf: &[f32], passes: usize) -> f64 {
+    let bytes = std::mem::size_of_val(buf) as f64;
     let mut best = f64::INFINITY;
     for _ in 0..passes {
         let t = Instant::now();
@@ -94,6 +103,49 @@ fn read_bandwidth(len: usize, passes: usize) -> f64 {
         best = best.min(t.elapsed().as_secs_f64());
     }
     bytes / best
+}
+
+/// A read-bandwidth measurement short enough to run between the turns of a scenario, so that
+/// each turn is set against the bandwidth of its own moment.
+///
+/// On a shared host the memory bandwidth moves in phases: `kvsnap bench limits` read 26, 42 and
+/// 48 GB/s within two minutes on a Zen 4 host, and a limit taken minutes before or after a
+/// turn says little about the turn. The probe is the limit's own sum over a buffer eight times a
+/// 32 MiB last-level cache (by default), allocated once and kept: its pages count in the
+/// process's RSS, so a scenario that runs probes subtracts [`Probe::resident_bytes`] from its
+/// peak.
+pub struct Probe {
+    buf: Vec<f32>,
+    resident_bytes: u64,
+}
+
+impl Probe {
+    /// Passes per [`Probe::read_bps`]; the best one counts, as for the limit.
+    pub const PASSES: usize = 3;
+
+    /// A probe over `bytes` (rounded down to whole f32), its pages touched now.
+    pub fn new(bytes: u64) -> Probe {
+        let before = super::rss_bytes().ok();
+        let buf = touched((bytes / 4) as usize);
+        let resident_bytes = match (before, super::rss_bytes().ok()) {
+            (Some(b), Some(a)) => a.saturating_sub(b),
+            _ => std::mem::size_of_val(buf.as_slice()) as u64,
+        };
+        Probe {
+            buf,
+            resident_bytes,
+        }
+    }
+
+    /// What the probe added to the process's resident set when it was made.
+    pub fn resident_bytes(&self) -> u64 {
+        self.resident_bytes
+    }
+
+    /// Read bandwidth now, in bytes/s: the best of [`Probe::PASSES`] passes.
+    pub fn read_bps(&self) -> f64 {
+        best_sum_rate(&self.buf, Self::PASSES)
+    }
 }
 
 /// Sum, bound by loads: four 16-lane accumulators where the CPU has AVX-512F, otherwise

@@ -101,7 +101,7 @@ pub fn measure<M: KvModel>(
         rows.push(row);
     }
 
-    let served = catalog::serve(model, w, 1, turns, steps)?;
+    let served = catalog::serve(model, w, 1, turns, steps, None)?;
     let turn_s: Vec<f64> = served.turns.iter().map(|t| t.total_s).collect();
     let cost = CostModel::of(model);
     let tokens = &served.turns[0].tokens;
