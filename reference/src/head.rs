@@ -16,17 +16,25 @@
 //! `|w·h - a·h| <= |w - a| |h|` (Cauchy-Schwarz), so
 //! `|e - ã| <= |h| ((1 + γ) |w - a| + 2 γ |w|) <= |h| slack` with
 //! `slack = 1.01 |w - a| + 4 γ |w|`: twice the rounding term and 1 % more residual, margin for
-//! rounding `slack` and `|h|` themselves.
+//! rounding `slack` and `|h|` themselves. The IREE backend's screen computes `ã` so.
 //!
-//! With `b_r = |h| slack_r` and `L = max_r (ã_r - b_r)`: the row that attains `L` has
-//! `e >= L`, so the largest logit is at least `L`; a row with `ã_r + b_r < L` has `e_r < L`:
+//! [`TiedHead::argmax`] rounds `h` too, to int16 steps of `δ = max |h| / L` (`L` small enough
+//! that no i32 sum of `n` products overflows): `ĥ = δ x`. Then `S = q·x` is exact in i32 and
+//! `ã' = S s δ` is computed in f64, two roundings of `a·ĥ`. With `ε = |ĥ - h|` (computed per
+//! call), `|a·ĥ - a·h| <= |a| ε`, and the roundings add at most `2^-52 |a| (|h| + ε)`:
+//! `2^-52 |a| |h|` fits in the spare of `slack` (which still counts an f32 summation of `a·h`,
+//! `γ |a| |h|`, that the exact sum no longer has), and `2^-52 |a| ε` in a margin on `ε`. So
+//! `|e - ã'| <= |h| slack + |a| ε (1 + 2^-20)`; `|a|` is kept per row, rounded up.
+//!
+//! With `b_r` that bound and `L = max_r (ã'_r - b_r)`: the row that attains `L` has
+//! `e >= L`, so the largest logit is at least `L`; a row with `ã'_r + b_r < L` has `e_r < L`:
 //! it can neither be the maximum nor tie with it. The argmax of the remaining rows' exact
 //! logits, lowest id first, is the argmax of all of them. On Gemma 3 270M's real weights one
 //! to a few rows remain (docs/BENCHMARKS.md, twelfth pass).
 
 use rayon::prelude::*;
 
-use crate::kernels::{dot, matvec_q8};
+use crate::kernels::{dot, matvec_q8_i16, q8_i16_limit};
 
 /// The int8 copy of a tied head's `[vocab, hidden]` table and each row's error bound.
 pub struct TiedHead {
@@ -37,6 +45,8 @@ pub struct TiedHead {
     scale: Vec<f32>,
     /// `[vocab]`: `|e - ã| <= |h| slack` for the row's f32 and approximate logits.
     slack: Vec<f32>,
+    /// `[vocab]`: `|a| = s |q|`, rounded up: what the rounding of `h` costs a row.
+    norm_a: Vec<f32>,
     /// Whether every bound is finite (so every weight is): the bound assumes it.
     finite: bool,
 }
@@ -54,26 +64,31 @@ impl TiedHead {
         let gamma = mu / (1.0 - mu);
         let mut q = vec![0i8; table.len()];
         let (mut scale, mut slack) = (vec![0f32; vocab], vec![0f32; vocab]);
+        let mut norm_a = vec![0f32; vocab];
         q.par_chunks_mut(hidden)
             .zip(table.par_chunks(hidden))
             .zip(scale.par_iter_mut().zip(slack.par_iter_mut()))
-            .for_each(|((q, w), (scale, slack))| {
+            .zip(norm_a.par_iter_mut())
+            .for_each(|(((q, w), (scale, slack)), norm_a)| {
                 let s = w.iter().fold(0f32, |m, w| m.max(w.abs())) / 127.0;
-                let (mut residual, mut norm) = (0f64, 0f64);
+                let (mut residual, mut norm, mut rounded) = (0f64, 0f64, 0f64);
                 for (q, &w) in q.iter_mut().zip(w) {
                     *q = if s > 0.0 {
                         (w / s).round().clamp(-127.0, 127.0) as i8
                     } else {
                         0
                     };
-                    let d = f64::from(w) - f64::from(s) * f64::from(*q);
+                    let a = f64::from(s) * f64::from(*q);
+                    let d = f64::from(w) - a;
                     residual += d * d;
                     norm += f64::from(w) * f64::from(w);
+                    rounded += a * a;
                 }
                 let bound = 1.01 * residual.sqrt() + 4.0 * gamma * norm.sqrt();
                 *scale = s;
                 // Rounded up: `as f32` rounds to nearest, within 2^-24 relative.
                 *slack = (bound * (1.0 + 1e-6)) as f32;
+                *norm_a = (rounded.sqrt() * (1.0 + 1e-6)) as f32;
             });
         // A weight that is not finite makes its row's norm, and so its bound, not finite.
         let finite = slack.iter().all(|s| s.is_finite());
@@ -82,6 +97,7 @@ impl TiedHead {
             q,
             scale,
             slack,
+            norm_a,
             finite,
         }
     }
@@ -96,46 +112,41 @@ impl TiedHead {
         let (hidden, vocab) = (self.hidden, self.slack.len());
         assert_eq!(table.len(), vocab * hidden, "TiedHead::argmax: table");
         assert_eq!(h.len(), hidden, "TiedHead::argmax: h");
-        let norm = h
-            .iter()
-            .map(|&v| f64::from(v) * f64::from(v))
-            .sum::<f64>()
-            .sqrt();
-        if !self.finite || !norm.is_finite() {
-            return None;
-        }
-        let mut scores = vec![0.0; vocab];
-        matvec_q8(&mut scores, h, &self.q, &self.scale, hidden, vocab);
-        let bound = |(&a, &s): (&f32, &f32)| (f64::from(a), norm * f64::from(s));
-        // NaN where a score is not finite: it survives `max` below only as the result.
-        let lower = scores
-            .par_iter()
-            .zip(&self.slack)
-            .map(bound)
-            .map(|(a, b)| if a.is_finite() { a - b } else { f64::NAN })
+        let screen = self.screen(h)?;
+        // Rows in blocks: one rayon task a block, each block's scores and bounds computed once
+        // into a buffer by a loop the compiler vectorises. A block keeps the rows that reach
+        // its own best lower bound, a superset of those that reach the global one.
+        const BLOCK: usize = 2048;
+        let (lower, mut rows) = (0..vocab.div_ceil(BLOCK))
+            .into_par_iter()
+            .map(|b| {
+                let range = b * BLOCK..((b + 1) * BLOCK).min(vocab);
+                let (mut hi, mut lo) = ([0f64; BLOCK], [0f64; BLOCK]);
+                screen.rows(self, range.clone(), &mut hi, &mut lo);
+                let n = range.len();
+                let best = lo[..n].iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let rows: Vec<usize> = (0..n)
+                    .filter(|&k| hi[k] >= best)
+                    .map(|k| range.start + k)
+                    .collect();
+                (best, rows)
+            })
             .reduce(
-                || f64::NEG_INFINITY,
-                |x, y| {
-                    if x.is_nan() || y.is_nan() {
-                        f64::NAN
-                    } else {
-                        x.max(y)
-                    }
+                || (f64::NEG_INFINITY, Vec::new()),
+                |(l1, mut r1), (l2, r2)| {
+                    r1.extend(r2);
+                    (l1.max(l2), r1)
                 },
             );
         if !lower.is_finite() {
             return None;
         }
-        let rows: Vec<usize> = scores
-            .par_iter()
-            .zip(&self.slack)
-            .enumerate()
-            .filter(|&(_, r)| {
-                let (a, b) = bound(r);
-                a + b >= lower
-            })
-            .map(|(r, _)| r)
-            .collect();
+        rows.sort_unstable();
+        rows.retain(|&r| {
+            let (mut hi, mut lo) = ([0f64; 1], [0f64; 1]);
+            screen.rows(self, r..r + 1, &mut hi, &mut lo);
+            hi[0] >= lower
+        });
         let mut best: Option<(usize, f32)> = None;
         for r in rows {
             let e = dot(&table[r * hidden..(r + 1) * hidden], h);
@@ -144,6 +155,51 @@ impl TiedHead {
             }
         }
         best.map(|(r, _)| r as u32)
+    }
+
+    /// Every row's exact `q·x` for `h` rounded to int16 steps (module documentation), with
+    /// what the bounds need; `None` where they do not hold (a weight or `h` not finite).
+    fn screen(&self, h: &[f32]) -> Option<Screen> {
+        let (hidden, vocab) = (self.hidden, self.slack.len());
+        let norm = h
+            .iter()
+            .map(|&v| f64::from(v) * f64::from(v))
+            .sum::<f64>()
+            .sqrt();
+        if !self.finite || !norm.is_finite() {
+            return None;
+        }
+        let limit = f32::from(q8_i16_limit(hidden));
+        let peak = h.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let delta = peak / limit;
+        // `δ` may round, underflow or be 0 (`h` all zero): `ε` below is of the `x` chosen, so
+        // any choice is sound (the clamp keeps the sums from overflowing).
+        let x: Vec<i16> = h
+            .iter()
+            .map(|&v| {
+                let t = if delta > 0.0 {
+                    (v / delta).round()
+                } else {
+                    0.0
+                };
+                t.clamp(-limit, limit) as i16
+            })
+            .collect();
+        let delta = f64::from(delta);
+        let err = h
+            .iter()
+            .zip(&x)
+            .map(|(&v, &x)| (delta * f64::from(x) - f64::from(v)).powi(2))
+            .sum::<f64>()
+            .sqrt();
+        let mut sums = vec![0; vocab];
+        matvec_q8_i16(&mut sums, &x, &self.q, hidden, vocab);
+        Some(Screen {
+            sums,
+            delta,
+            norm,
+            err: err * (1.0 + 1e-6) * (1.0 + f64::powi(2.0, -20)),
+        })
     }
 
     /// `[vocab, hidden]`: each weight's int8 rounding (`round(w / scale)`).
@@ -165,6 +221,35 @@ impl TiedHead {
     /// nothing and [`TiedHead::argmax`] always returns `None`).
     pub fn is_finite(&self) -> bool {
         self.finite
+    }
+}
+
+/// The screen of one call of [`TiedHead::argmax`].
+struct Screen {
+    /// `[vocab]`: each row's `q·x`, exact.
+    sums: Vec<i32>,
+    /// The step `δ` of `x`.
+    delta: f64,
+    /// `|h|`.
+    norm: f64,
+    /// `ε = |ĥ - h|` with the margins for the roundings of `ã'` and of `ε` itself.
+    err: f64,
+}
+
+impl Screen {
+    /// For rows `range`, each row's approximate logit `ã' = S s δ` plus (into `hi`) and minus
+    /// (into `lo`) its bound `|h| slack + |a| ε`: the row's f32 logit lies between the two
+    /// (module documentation).
+    fn rows(&self, head: &TiedHead, range: std::ops::Range<usize>, hi: &mut [f64], lo: &mut [f64]) {
+        let n = range.len();
+        let (sums, scale) = (&self.sums[range.clone()], &head.scale[range.clone()]);
+        let (slack, norm_a) = (&head.slack[range.clone()], &head.norm_a[range]);
+        for k in 0..n {
+            let a = f64::from(sums[k]) * f64::from(scale[k]) * self.delta;
+            let bound = self.norm * f64::from(slack[k]) + self.err * f64::from(norm_a[k]);
+            hi[k] = a + bound;
+            lo[k] = a - bound;
+        }
     }
 }
 
@@ -200,14 +285,22 @@ mod tests {
         let norm = h.iter().map(|&v| f64::from(v).powi(2)).sum::<f64>().sqrt();
         let mut exact = vec![0.0; vocab];
         matvec(&mut exact, &h, &table, hidden, vocab);
-        let mut scores = vec![0.0; vocab];
-        matvec_q8(&mut scores, &h, &head.q, &head.scale, hidden, vocab);
+        let screen = head.screen(&h).unwrap();
+        assert_eq!(screen.norm, norm);
+        assert!(screen.err > 0.0, "h is rounded to int16 steps");
         let mut widest = 0f64;
-        for r in 0..vocab {
-            let gap = (f64::from(exact[r]) - f64::from(scores[r])).abs();
-            let bound = norm * f64::from(head.slack[r]);
-            assert!(gap <= bound, "row {r}: |e - a| = {gap} > {bound}");
-            widest = widest.max(gap / bound.max(f64::MIN_POSITIVE));
+        for (r, &e) in exact.iter().enumerate() {
+            let (mut hi, mut lo) = ([0f64; 1], [0f64; 1]);
+            screen.rows(&head, r..r + 1, &mut hi, &mut lo);
+            let e = f64::from(e);
+            assert!(
+                lo[0] <= e && e <= hi[0],
+                "row {r}: {e} outside [{}, {}]",
+                lo[0],
+                hi[0]
+            );
+            let (mid, half) = ((hi[0] + lo[0]) / 2.0, (hi[0] - lo[0]) / 2.0);
+            widest = widest.max((e - mid).abs() / half.max(f64::MIN_POSITIVE));
         }
         // The rounding does change the scores: the bound is not vacuous.
         assert!(widest > 0.01, "largest gap / bound {widest}");

@@ -213,77 +213,91 @@ pub fn matvec(out: &mut [f32], x: &[f32], w: &[f32], i: usize, o: usize) {
         });
 }
 
-/// `out[o] = scale[o] * (q[o, i] . x[i])`: a matrix-vector product over rows of int8 weights,
-/// each with its own scale, accumulated in f32 (integers up to 127 are exact in f32). The
-/// approximate pass of the tied head (`crate::head`), which reads a quarter of the bytes of
-/// the f32 table.
+/// `out[o] = q[o, i] . x[i]`: int8 weights against int16 activations, each row summed exactly
+/// in i32. The approximate pass of the tied head (`crate::head`), which reads a quarter of the
+/// bytes of the f32 table.
 ///
-/// Where the CPU has AVX-512F and `i` is a multiple of 16, each 16 weights are sign-extended
-/// and converted in two instructions and meet `x` in one FMA, four accumulators per row. The
-/// summation order differs from [`matvec_q8_naive`]'s; `crate::head` bounds the rounding.
+/// The sums are exact as long as `i * 127 * max |x|` fits in an i32 ([`q8_i16_limit`] gives the
+/// largest `|x|` that does; asserted). Where the CPU has AVX-512BW, 32 weights are widened to
+/// int16 in one instruction and meet `x` in one `vpmaddwd` (adjacent products summed into i32
+/// lanes). It replaced a kernel that converted each weight to f32 for an FMA: on a Zen 4 host,
+/// whose 512-bit instructions run as two 256-bit halves, that one computed at 20 GB/s of
+/// weights where a two-thread sum streams 30; this one keeps up with the stream
+/// (docs/BENCHMARKS.md, thirteenth pass).
 ///
 /// # Shapes
-/// `out`: `[o]`, `x`: `[i]`, `q`: `[o, i]`, `scale`: `[o]`.
-pub fn matvec_q8(out: &mut [f32], x: &[f32], q: &[i8], scale: &[f32], i: usize, o: usize) {
-    assert_eq!(out.len(), o, "matvec_q8: out");
-    assert_eq!(x.len(), i, "matvec_q8: x");
-    assert_eq!(q.len(), o * i, "matvec_q8: q");
-    assert_eq!(scale.len(), o, "matvec_q8: scale");
+/// `out`: `[o]`, `x`: `[i]`, `q`: `[o, i]`.
+pub fn matvec_q8_i16(out: &mut [i32], x: &[i16], q: &[i8], i: usize, o: usize) {
+    assert_eq!(out.len(), o, "matvec_q8_i16: out");
+    assert_eq!(x.len(), i, "matvec_q8_i16: x");
+    assert_eq!(q.len(), o * i, "matvec_q8_i16: q");
+    let peak = x.iter().map(|v| v.unsigned_abs()).max().unwrap_or(0);
+    assert!(
+        peak <= q8_i16_limit(i).unsigned_abs(),
+        "matvec_q8_i16: |x| up to {peak} could overflow an i32 sum of {i} products"
+    );
     const ROWS: usize = 64;
     out.par_chunks_mut(ROWS)
         .zip(q.par_chunks(ROWS * i))
-        .zip(scale.par_chunks(ROWS))
-        .for_each(|((out, q), scale)| {
+        .for_each(|(out, q)| {
             #[cfg(target_arch = "x86_64")]
-            if i.is_multiple_of(16) && std::arch::is_x86_feature_detected!("avx512f") {
-                for ((o, row), s) in out.iter_mut().zip(q.chunks_exact(i)).zip(scale) {
-                    // SAFETY: the CPU has AVX-512F; `row` and `x` hold `i` elements, i % 16 == 0.
-                    *o = s * unsafe { dot_q8_avx512(row, x) };
+            if std::arch::is_x86_feature_detected!("avx512bw") {
+                for (o, row) in out.iter_mut().zip(q.chunks_exact(i)) {
+                    // SAFETY: the CPU has AVX-512F and BW; `row` and `x` hold `i` elements.
+                    *o = unsafe { dot_q8_i16_avx512(row, x) };
                 }
                 return;
             }
-            matvec_q8_naive(out, x, q, scale, i, out.len());
+            matvec_q8_i16_naive(out, x, q, i, out.len());
         });
 }
 
-/// Dot product of int8 weights with f32 `x`, prefetching the weights like [`matvec`].
+/// The largest `|x|` for which [`matvec_q8_i16`]'s i32 sums of `i` products cannot overflow:
+/// `i32::MAX / (127 i)`, at most `i16::MAX` (26420 for Gemma 3 270M's 640).
+pub fn q8_i16_limit(i: usize) -> i16 {
+    let limit = i32::MAX as usize / (127 * i.max(1));
+    limit.min(i16::MAX as usize) as i16
+}
+
+/// Dot product of int8 weights with int16 `x`, exact in i32 (no overflow: the caller's
+/// bound), prefetching the weights like [`matvec`].
 ///
 /// # Safety
-/// The CPU must have AVX-512F; `row.len() == x.len()` and is a multiple of 16.
+/// The CPU must have AVX-512F and AVX-512BW; `row.len() == x.len()`.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn dot_q8_avx512(row: &[i8], x: &[f32]) -> f32 {
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn dot_q8_i16_avx512(row: &[i8], x: &[i16]) -> i32 {
     use std::arch::x86_64::*;
     let n = row.len();
     let (pq, px) = (row.as_ptr(), x.as_ptr());
-    let widen =
-        |k: usize| _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(pq.add(k).cast())));
-    let mut acc = [_mm512_setzero_ps(); 4];
+    let mut acc = [_mm512_setzero_si512(); 2];
     let mut k = 0;
-    // SAFETY (all loads): 16 weights (16 bytes) and 16 floats at `k + 16 <= n`.
+    // SAFETY (all loads): 32 weights (32 bytes) and 32 activations at `k + 32 <= n`.
     while k + 64 <= n {
         _mm_prefetch::<_MM_HINT_T0>(pq.add(k).wrapping_add(STREAM_AHEAD));
         for (j, acc) in acc.iter_mut().enumerate() {
-            *acc = _mm512_fmadd_ps(widen(k + 16 * j), _mm512_loadu_ps(px.add(k + 16 * j)), *acc);
+            let w = _mm512_cvtepi8_epi16(_mm256_loadu_si256(pq.add(k + 32 * j).cast()));
+            let xv = _mm512_loadu_si512(px.add(k + 32 * j).cast());
+            *acc = _mm512_add_epi32(*acc, _mm512_madd_epi16(w, xv));
         }
         k += 64;
     }
-    while k < n {
-        acc[0] = _mm512_fmadd_ps(widen(k), _mm512_loadu_ps(px.add(k)), acc[0]);
-        k += 16;
+    let mut sum = _mm512_reduce_add_epi32(_mm512_add_epi32(acc[0], acc[1]));
+    for (&q, &x) in row[k..].iter().zip(&x[k..]) {
+        sum += i32::from(q) * i32::from(x);
     }
-    let sum = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
-    _mm512_reduce_add_ps(sum)
+    sum
 }
 
-/// Naive oracle of [`matvec_q8`]: each row summed in order in f32, then scaled.
-pub fn matvec_q8_naive(out: &mut [f32], x: &[f32], q: &[i8], scale: &[f32], i: usize, o: usize) {
-    for ((out, row), s) in out.iter_mut().zip(q.chunks_exact(i)).zip(scale).take(o) {
-        *out = s * row
+/// Naive oracle of [`matvec_q8_i16`]: each row summed in order in i32. The sums are exact, so
+/// the two agree exactly.
+pub fn matvec_q8_i16_naive(out: &mut [i32], x: &[i16], q: &[i8], i: usize, o: usize) {
+    for (out, row) in out.iter_mut().zip(q.chunks_exact(i)).take(o) {
+        *out = row
             .iter()
             .zip(x)
-            .map(|(&q, &x)| f32::from(q) * x)
-            .sum::<f32>();
+            .map(|(&q, &x)| i32::from(q) * i32::from(x))
+            .sum();
     }
 }
 
@@ -601,27 +615,43 @@ pub(crate) mod tests {
     }
 
     #[test]
-    fn matvec_q8_matches_naive() {
-        // 640: the AVX-512 path, 64 weights an iteration; 80: a 16-weight tail; 40: not a
-        // multiple of 16, the plain path.
-        for &(i, o) in &[(640, 300), (80, 70), (40, 9)] {
+    fn matvec_q8_i16_matches_naive_exactly() {
+        // 640: the AVX-512 path, 64 weights an iteration; 96: a 32-weight tail; 40: an
+        // 8-weight tail after none of the wide loop.
+        for &(i, o) in &[(640, 300), (96, 70), (40, 9)] {
             let q: Vec<i8> = values(o * i, 3)
                 .iter()
                 .map(|&v| (v * 127.0) as i8)
                 .collect();
-            let scale: Vec<f32> = values(o, 5).iter().map(|v| 0.01 + v.abs() / 50.0).collect();
-            let x = values(i, 4);
-            let (mut got, mut want) = (vec![0.0; o], vec![0.0; o]);
-            matvec_q8(&mut got, &x, &q, &scale, i, o);
-            matvec_q8_naive(&mut want, &x, &q, &scale, i, o);
-            // Both sum the same products in f32, in different orders.
-            let d = max_diff(&got, &want);
-            assert!(d < 1e-4, "{i}x{o}: max diff {d}");
+            let limit = f32::from(q8_i16_limit(i));
+            let x: Vec<i16> = values(i, 4).iter().map(|&v| (v * limit) as i16).collect();
+            let (mut got, mut want) = (vec![0; o], vec![0; o]);
+            matvec_q8_i16(&mut got, &x, &q, i, o);
+            matvec_q8_i16_naive(&mut want, &x, &q, i, o);
+            assert_eq!(got, want, "{i}x{o}: exact sums");
             assert!(
-                got.iter().any(|&v| v.abs() > 0.5),
+                got.iter().any(|&v| v.unsigned_abs() > 1 << 20),
                 "{i}x{o}: not trivially small"
             );
         }
+    }
+
+    /// At the limit, every product at its largest and of one sign: the sum is still exact.
+    #[test]
+    fn matvec_q8_i16_does_not_overflow_at_the_limit() {
+        let (i, o) = (640, 3);
+        let limit = q8_i16_limit(i);
+        assert_eq!(limit, 26420);
+        let q = vec![-127i8; o * i];
+        let x = vec![-limit; i];
+        let mut got = vec![0; o];
+        matvec_q8_i16(&mut got, &x, &q, i, o);
+        let exact = 127 * i32::from(limit) * i as i32;
+        assert_eq!(got, vec![exact; o]);
+        assert!(
+            exact > i32::MAX - 127 * i as i32,
+            "one more step would overflow"
+        );
     }
 
     #[test]
