@@ -12,17 +12,18 @@
 //! The rows a snapshot does not copy must not be left with old contents: the graphs mask
 //! those keys, but a masked key still multiplies its value row by a zero weight, and a stale
 //! non-finite value would turn that into NaN. So every buffer set keeps one invariant:
-//! **full-layer rows at or above its `written` mark are zero** (a fresh set is zero-filled; a
-//! chunk call raises the mark to the end of the rows it wrote, padding included). Starting a
-//! state in a recycled set zeroes the rows between the new length and the set's old mark, so the
-//! result is byte for byte what a fresh zero-filled set plus a whole copy would hold.
+//! **full-layer rows at or above its `written` mark are zero** (a fresh set is zero: allocated
+//! so on the CPU, zero-filled on Vulkan; a chunk call raises the mark to the end of the rows it
+//! wrote, padding included). Starting a state in a recycled set zeroes the rows between the new
+//! length and the set's old mark, so the result is byte for byte what a fresh zero set plus a
+//! whole copy would hold.
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use kvsnap_contract::{Error, Result};
 
 use crate::graphs::KvLayout;
-use crate::runtime::{BufferView, Device, ElementType, Transfer};
+use crate::runtime::{BufferView, Device, DeviceKind, ElementType, Transfer};
 
 /// Free buffer sets a model keeps at most: a restored working state and one more (the state a
 /// prefill left behind once its snapshot is taken).
@@ -69,6 +70,7 @@ impl Drop for IreeKv {
         let set = FreeSet {
             bufs: std::mem::take(&mut self.bufs),
             written: self.written,
+            zero: false,
         };
         // A poisoned state's buffers may hold half an update, so they are not recycled.
         self.pool.put_back(set, self.poisoned.is_none());
@@ -79,6 +81,8 @@ impl Drop for IreeKv {
 struct FreeSet {
     bufs: Vec<BufferView>,
     written: usize,
+    /// Every byte of every buffer is zero (a new set on the CPU device).
+    zero: bool,
 }
 
 /// What the transfers of a state's start must know about each KV buffer.
@@ -177,8 +181,16 @@ impl KvPool {
         drop(set);
     }
 
-    /// A set to start a state in: a recycled one, or a new allocation whose full-layer rows
-    /// are marked unwritten up to the capacity (the start's transfers then zero them).
+    /// A set to start a state in: a recycled one, or a new allocation. A new set on the CPU
+    /// device is zero already (below); elsewhere its full-layer rows are marked unwritten up to
+    /// the capacity, and the start's transfers zero them.
+    ///
+    /// IREE's CPU device allocates every buffer with `calloc` (its heap allocator takes the
+    /// storage from `iree_allocator_malloc`, which zero-fills): fresh pages that the kernel
+    /// maps as they are first touched. Zeroing them again touched all of a new set's 42.8 MiB
+    /// (Gemma 3 270M, 4096-token capacity): a snapshot of an 860-token prefix faulted in 10958
+    /// pages (17-30 ms on a Zen 4 VM) where its copy needs the live rows' half of them; a short
+    /// chat held the whole capacity resident.
     fn take(&self, device: &Device) -> Result<FreeSet> {
         if let Some(set) = self.lock().free.pop() {
             return Ok(set);
@@ -188,15 +200,20 @@ impl KvPool {
             .iter()
             .map(|(dims, elem)| BufferView::allocate(device, dims, *elem))
             .collect::<Result<Vec<_>>>()?;
+        let zero = device.kind() == DeviceKind::Cpu;
         Ok(FreeSet {
             bufs,
-            written: self.capacity,
+            written: if zero { 0 } else { self.capacity },
+            zero,
         })
     }
 
     /// An empty state: every buffer zero.
     pub(crate) fn zeros(self: &Arc<Self>, device: &Device) -> Result<IreeKv> {
         let set = self.take(device)?;
+        if set.zero {
+            return Ok(IreeKv::new(self, 0, set));
+        }
         let ops: Vec<Transfer> = set
             .bufs
             .iter()

@@ -547,6 +547,28 @@ fn zeros_and_write_bytes() {
     }
 }
 
+/// What `kvsnap_iree::kv` relies on to start a state in a new buffer set without zeroing it:
+/// the CPU device's allocator hands out zeroed memory, also where freed buffers held data (its
+/// heap allocator takes storage from `iree_allocator_malloc`, a `calloc`).
+#[test]
+fn new_cpu_buffers_are_zero_even_over_freed_data() {
+    let device = Device::cpu(instance()).unwrap();
+    // Small ones come from the allocator's free lists, large ones from fresh mappings.
+    for len in [4usize << 10, 64 << 10, 8 << 20] {
+        for _ in 0..3 {
+            let dirty = BufferView::allocate(&device, &[len], ElementType::I8).unwrap();
+            dirty.write_bytes(&vec![0xAB; len]).unwrap();
+            drop(dirty);
+            let new = BufferView::allocate(&device, &[len], ElementType::I8).unwrap();
+            let first = new.read_bytes().unwrap().iter().position(|&b| b != 0);
+            assert_eq!(
+                first, None,
+                "a new {len}-byte buffer holds data at this byte"
+            );
+        }
+    }
+}
+
 #[test]
 fn ranged_transfers_copy_and_zero_exactly_their_bytes() {
     for (device, target) in devices() {

@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 
 use kvsnap_contract::{Error, Result};
 
-use super::device::{Device, ImportMode};
+use super::device::{Device, DeviceKind, ImportMode};
 use super::ffi::{self, sys};
 use super::status::{backend_error, check};
 
@@ -513,6 +513,9 @@ impl BufferView {
                 ops.len()
             )
         };
+        if device.kind() == DeviceKind::Cpu {
+            return host_transfer(device, &ops, &what);
+        }
         let cb = CommandBuffer::record(device, &what, &ops)?;
         device.submit_and_wait(&what, |wait, signal| {
             // SAFETY: the command buffer is live until `cb` drops, after the wait; the buffers
@@ -753,4 +756,77 @@ fn buffer_ref(view: &BufferView, offset: usize, len: usize) -> sys::iree_hal_buf
     r.offset = offset as _;
     r.length = len as _;
     r
+}
+
+/// Runs `ops` on the CPU device as plain copies and fills through host mappings, in order, on
+/// the calling thread.
+///
+/// The CPU device's buffers are host memory that IREE's heap allocator always maps, and no
+/// queue work is pending when kvsnap transfers (every call and transfer waits for its end). On
+/// the queue, a restore's 39 buffers went through a command buffer, a submission, the task
+/// workers' wake-up and a semaphore wait: 1.6-8 ms for 20 MiB where a `memcpy` of it takes
+/// 1.7 ms (docs/BENCHMARKS.md, thirteenth pass).
+fn host_transfer(
+    device: &Device,
+    ops: &[&Transfer],
+    what: &(dyn Fn() -> String + Sync),
+) -> Result<()> {
+    let total: usize = ops.iter().map(|op| op.len()).sum();
+    if total < PARALLEL_TRANSFER_BYTES || ops.len() < 2 {
+        return host_ops(device, ops, what);
+    }
+    // Two halves by bytes, the second on a scoped thread.
+    let mut acc = 0;
+    let split = ops
+        .iter()
+        .position(|op| {
+            acc += op.len();
+            acc >= total / 2
+        })
+        .map_or(ops.len(), |i| i + 1)
+        .min(ops.len() - 1);
+    let (first, second) = ops.split_at(split);
+    std::thread::scope(|s| {
+        let other = s.spawn(|| host_ops(device, second, what));
+        let mine = host_ops(device, first, what);
+        let theirs = other.join().unwrap_or_else(|_| {
+            Err(backend_error(
+                device.backend(),
+                what(),
+                "a transfer thread panicked",
+            ))
+        });
+        mine.and(theirs)
+    })
+}
+
+/// Transfers of at least this many bytes run on two threads.
+const PARALLEL_TRANSFER_BYTES: usize = 1 << 20;
+
+fn host_ops(device: &Device, ops: &[&Transfer], what: &(dyn Fn() -> String + Sync)) -> Result<()> {
+    for op in ops {
+        // SAFETY: every buffer is live (borrowed by `ops`) and belongs to `device`; the ranges
+        // were checked against their lengths by `transfer`.
+        let status = unsafe {
+            match **op {
+                Transfer::Copy {
+                    src,
+                    dst,
+                    offset,
+                    len,
+                } => sys::iree_hal_buffer_map_copy(
+                    src.buffer(),
+                    offset as _,
+                    dst.buffer(),
+                    offset as _,
+                    len as _,
+                ),
+                Transfer::Zero { dst, offset, len } => {
+                    sys::iree_hal_buffer_map_zero(dst.buffer(), offset as _, len as _)
+                }
+            }
+        };
+        check(device.backend(), || format!("{}: {op:?}", what()), status)?;
+    }
+    Ok(())
 }
