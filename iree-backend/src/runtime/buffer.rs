@@ -434,8 +434,8 @@ impl BufferView {
         Self::wrap_buffer(device, buffer, shape, elem, &op).map(Ok)
     }
 
-    /// A new buffer with the same shape, type and contents, copied on the device queue (never
-    /// through the host): later in-place updates of either buffer do not affect the other.
+    /// A new buffer with the same shape, type and contents, copied by [`BufferView::transfer`]:
+    /// later in-place updates of either buffer do not affect the other.
     pub fn device_copy(&self) -> Result<BufferView> {
         let elem = self.element_type().ok_or_else(|| {
             backend_error(
@@ -455,10 +455,11 @@ impl BufferView {
         Ok(copy)
     }
 
-    /// Runs `ops` on `device`'s queue as one batch: recorded in one command buffer, submitted
-    /// once and waited for once. Empty ranges are skipped; every buffer must belong to `device`,
-    /// every range lie inside its buffers and a zero fill cover whole 4-byte words (checked
-    /// first: an error names the operation and nothing is submitted).
+    /// Runs `ops` as one batch and waits for it: on Vulkan recorded in one command buffer and
+    /// submitted once; on the CPU device as copies and fills through the buffers' host
+    /// mappings (`host_transfer`). Empty ranges are skipped; every buffer must belong to
+    /// `device`, every range lie inside its buffers and a zero fill cover whole 4-byte words
+    /// (checked first: an error names the operation and nothing is written).
     pub fn transfer(device: &Device, ops: &[Transfer]) -> Result<()> {
         let backend = device.backend();
         for op in ops {
