@@ -457,9 +457,12 @@ impl BufferView {
 
     /// Runs `ops` as one batch and waits for it: on Vulkan recorded in one command buffer and
     /// submitted once; on the CPU device as copies and fills through the buffers' host
-    /// mappings (`host_transfer`). Empty ranges are skipped; every buffer must belong to
-    /// `device`, every range lie inside its buffers and a zero fill cover whole 4-byte words
-    /// (checked first: an error names the operation and nothing is written).
+    /// mappings (`host_transfer`). The operations of a batch may run in any order or at once
+    /// (the command buffer has no barriers; the CPU splits a large batch over two threads), so
+    /// no operation may write what another one reads or writes. Empty ranges are skipped;
+    /// every buffer must belong to `device`, every range lie inside its buffers and a zero fill
+    /// cover whole 4-byte words (checked first: an error names the operation and nothing is
+    /// written).
     pub fn transfer(device: &Device, ops: &[Transfer]) -> Result<()> {
         let backend = device.backend();
         for op in ops {
@@ -759,8 +762,8 @@ fn buffer_ref(view: &BufferView, offset: usize, len: usize) -> sys::iree_hal_buf
     r
 }
 
-/// Runs `ops` on the CPU device as plain copies and fills through host mappings, in order, on
-/// the calling thread.
+/// Runs `ops` on the CPU device as plain copies and fills through host mappings: on the calling
+/// thread, or from [`PARALLEL_TRANSFER_BYTES`] in two halves by bytes, one on a scoped thread.
 ///
 /// The CPU device's buffers are host memory that IREE's heap allocator always maps, and no
 /// queue work is pending when kvsnap transfers (every call and transfer waits for its end). On
