@@ -103,8 +103,8 @@ impl TiedHead {
     }
 
     /// The argmax over rows of `table . h` (lowest id on a tie), where `table` is the f32 head
-    /// this was built from; `None` where the bound does not hold (a weight, `h` or a score not
-    /// finite): the caller then computes the full logits.
+    /// this was built from; `None` where the bound does not hold (a weight or `h` not finite):
+    /// the caller then computes the full logits.
     ///
     /// # Shapes
     /// `table`: `[vocab, hidden]`; `h`: `[hidden]`.
