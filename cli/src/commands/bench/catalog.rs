@@ -335,6 +335,13 @@ impl Probed {
     }
 }
 
+/// The smallest and largest of `values` (non-negative figures: ratios, rates).
+fn span(values: &[f64]) -> (f64, f64) {
+    values.iter().fold((f64::INFINITY, 0.0f64), |(lo, hi), &x| {
+        (lo.min(x), hi.max(x))
+    })
+}
+
 /// The catalog figures with their floors.
 pub struct Report {
     json: Value,
@@ -493,9 +500,7 @@ impl Report {
         ];
         if let Some(p) = &probed {
             let range = |v: &[f64]| {
-                let (lo, hi) = v.iter().fold((f64::INFINITY, 0.0f64), |(lo, hi), &x| {
-                    (lo.min(x), hi.max(x))
-                });
+                let (lo, hi) = span(v);
                 format!("{:.2}x ({lo:.2}-{hi:.2})", median(v))
             };
             table.push([
@@ -572,9 +577,7 @@ impl Report {
         ];
         if !served.probe_read_bps.is_empty() {
             let bps = &served.probe_read_bps;
-            let (lo, hi) = bps.iter().fold((f64::INFINITY, 0.0f64), |(lo, hi), &x| {
-                (lo.min(x), hi.max(x))
-            });
+            let (lo, hi) = span(bps);
             footer.push(format!(
                 "probes before each turn and after the last: read {:.1}-{:.1} GB/s (median {:.1}); a turn's floor takes the better of its two",
                 lo / 1e9,
