@@ -79,11 +79,17 @@ pub fn matmul_gemm_crate(out: &mut [f32], x: &[f32], w: &[f32], n: usize, i: usi
 /// 22-token extend took 114-129 ms with either (docs/BENCHMARKS.md, seventh pass).
 pub const FEW_ROWS: usize = 64;
 
+/// How many groups of four weight rows ahead [`matmul_few`] prefetches.
+const FEW_AHEAD_GROUPS: usize = 2;
+
 /// `out[n, o] = x[n, i] . w[o, i]^T` for a few rows, weight-stationary like [`matvec`]: each
-/// block of four weight rows is read from memory once, in order, and multiplied with every row
-/// of `x` (which stays in cache) as 4 x 4 tiles of 16-lane dot products; blocks of 64 weight
-/// rows are split across rayon's pool. Computed as `out^T` (each task owns whole rows of it),
-/// then transposed.
+/// group of four weight rows is read from memory once, in order, and multiplied with every row
+/// of `x` (which stays in cache) as tiles of 4 x up to 4 16-lane dot products; blocks of 64
+/// weight rows are split across rayon's pool. A group's first tile prefetches the group
+/// [`FEW_AHEAD_GROUPS`] ahead: without it a group's rows arrived only as its first tile read
+/// them (a 22-token extend after an 860-token prefix: five interleaved runs of 30, p50
+/// 74.7-85.5 -> 66.3-80.5 ms, faster in each; docs/BENCHMARKS.md, fourteenth pass). Computed
+/// as `out^T` (each task owns whole rows of it), then transposed.
 pub fn matmul_few(out: &mut [f32], x: &[f32], w: &[f32], n: usize, i: usize, o: usize) {
     assert_eq!(out.len(), n * o, "matmul_few: out");
     assert_eq!(x.len(), n * i, "matmul_few: x");
@@ -117,7 +123,7 @@ pub fn matmul_few(out: &mut [f32], x: &[f32], w: &[f32], n: usize, i: usize, o: 
 }
 
 /// The tiles of [`matmul_few`] for one block of weight rows: four weight rows at a time (then
-/// one), each against four rows of `x` at a time (then one).
+/// one), each against four rows of `x` at a time (then the one to three left).
 ///
 /// # Safety
 /// The CPU must have AVX-512F; `t` is `[rows, n]`, `w` `[rows, i]`, `x` `[n, i]`.
@@ -130,16 +136,27 @@ unsafe fn few_rows_avx512(t: &mut [f32], x: &[f32], w: &[f32], n: usize, i: usiz
         let step = if r + 4 <= rows { 4 } else { 1 };
         let mut c = 0;
         while c < n {
-            let wide = c + 4 <= n;
+            let width = (n - c).min(4);
             let (wp, xp) = (w.as_ptr().add(r * i), x.as_ptr().add(c * i));
+            // The first tile of a group of weight rows also prefetches the group
+            // `FEW_AHEAD_GROUPS` ahead (past the block's end: the next block in memory).
+            let ahead = if c == 0 {
+                w.as_ptr().wrapping_add((r + 4 * FEW_AHEAD_GROUPS) * i)
+            } else {
+                std::ptr::null()
+            };
             let mut put = |dr: usize, dc: usize, v: f32| t[(r + dr) * n + c + dc] = v;
-            match (step, wide) {
-                (4, true) => tile_avx512::<4, 4>(wp, xp, i, &mut put),
-                (4, false) => tile_avx512::<4, 1>(wp, xp, i, &mut put),
-                (_, true) => tile_avx512::<1, 4>(wp, xp, i, &mut put),
-                (_, false) => tile_avx512::<1, 1>(wp, xp, i, &mut put),
+            match (step, width) {
+                (4, 4) => tile_avx512::<4, 4>(wp, xp, i, ahead, &mut put),
+                (4, 3) => tile_avx512::<4, 3>(wp, xp, i, ahead, &mut put),
+                (4, 2) => tile_avx512::<4, 2>(wp, xp, i, ahead, &mut put),
+                (4, _) => tile_avx512::<4, 1>(wp, xp, i, ahead, &mut put),
+                (_, 4) => tile_avx512::<1, 4>(wp, xp, i, ahead, &mut put),
+                (_, 3) => tile_avx512::<1, 3>(wp, xp, i, ahead, &mut put),
+                (_, 2) => tile_avx512::<1, 2>(wp, xp, i, ahead, &mut put),
+                _ => tile_avx512::<1, 1>(wp, xp, i, ahead, &mut put),
             }
-            c += if wide { 4 } else { 1 };
+            c += width;
         }
         r += step;
     }
@@ -158,12 +175,18 @@ unsafe fn tile_avx512<const R: usize, const C: usize>(
     w: *const f32,
     x: *const f32,
     i: usize,
+    ahead: *const f32,
     put: &mut impl FnMut(usize, usize, f32),
 ) {
     use std::arch::x86_64::*;
     let mut acc = [[_mm512_setzero_ps(); C]; R];
     let mut k = 0;
     while k < i {
+        if !ahead.is_null() {
+            for r in 0..R {
+                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(r * i + k).cast());
+            }
+        }
         // SAFETY (all loads): 16 floats at `k < i - 15` of each row, or the `i - k` that exist.
         let mask: __mmask16 = if k + 16 <= i {
             u16::MAX
@@ -659,8 +682,10 @@ pub(crate) mod tests {
         for &(n, i, o) in &[
             (1, 640, 1024),
             (7, 640, 256),
-            (22, 640, 130), // matmul_few: 4x4 and 4x1 tiles, a partial block of weight rows
-            (FEW_ROWS, 100, 67), // matmul_few: a masked tail, 1x4 and 1x1 tiles
+            (22, 640, 130), // matmul_few: 4x4 and 4x2 tiles, a partial block of weight rows
+            (FEW_ROWS, 100, 67), // matmul_few: a masked tail, 1x4 tiles
+            (7, 100, 9),    // matmul_few: 4x4, 4x3, 1x4 and 1x3 tiles
+            (3, 33, 6),     // matmul_few: 4x3 and 1x3 tiles over a masked tail
             (2, 16, 4),
             (33, 256, 640),
             (1, 2048, 640),
