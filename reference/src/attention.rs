@@ -3,7 +3,7 @@
 
 use rayon::prelude::*;
 
-use crate::kernels::{dot, softmax};
+use crate::kernels::{dot, matmul, softmax};
 use crate::kv::KvSegment;
 
 /// Static shape and masking of one layer's attention.
@@ -37,7 +37,7 @@ const QUERY_BLOCK: usize = 32;
 /// `pos0 + t`, over `segments` (in position order, the chunk's own rows last).
 ///
 /// A single query (decode) takes the vector path; a chunk takes the blocked path, which computes
-/// each (head, query block) with two GEMMs over only the keys that block can see.
+/// each (head, query block) as two matrix products over only the keys that block can see.
 ///
 /// # Shapes
 /// `out`, `q`: `[n, heads, head_dim]`; each segment: `[rows, kv_heads, head_dim]`.
@@ -96,8 +96,14 @@ fn attention_vector(out: &mut [f32], q: &[f32], pos0: usize, segments: &[KvSegme
         });
 }
 
-/// Blocks of queries per head: `S = Q K^T` and `O = P V` as GEMMs over the key range the block
-/// can see, masked per query in between.
+/// Blocks of queries per head: `S = Q K^T` and `O = P V` over the key range the block can see,
+/// masked per query in between.
+///
+/// `S` is [`matmul`] of the block's queries with the key rows (tiles of AVX-512 dot products
+/// where the CPU has them), `O` accumulates the value rows weighted by `P` ([`weighted_rows`]).
+/// They replaced two calls of the `gemm` crate, whose kernels a stable compiler builds for AVX2
+/// only: criterion `attention/chunk32` 118 us / 0.79 ms / 1.78 ms -> 125 us / 0.57 ms / 1.33 ms
+/// at 64 / 512 / 1024 keys (docs/BENCHMARKS.md, fourteenth pass).
 fn attention_blocked(
     out: &mut [f32],
     q: &[f32],
@@ -129,61 +135,44 @@ fn attention_blocked(
                 .collect();
             let nk: usize = parts.iter().map(|(_, r)| r.len()).sum();
 
-            // S[bq, nk] = Q[t0.., h] . K^T
+            // S[bq, nk] = Q[t0.., h] . K^T, a part's columns at a time.
+            let qb: Vec<f32> = (0..bq)
+                .flat_map(|t| &q[(t0 + t) * qrow + h * hd..][..hd])
+                .copied()
+                .collect();
             let mut scores = vec![0.0f32; bq * nk];
-            let q_blk = &q[t0 * qrow + h * hd..];
+            let mut part = Vec::new();
             let mut col = 0;
             for (seg, r) in &parts {
-                let k = &seg.k[r.start * row + g..];
-                // SAFETY: Q is read as bq x hd with row stride qrow inside `q`; K^T as hd x len
-                // with column stride `row` inside the segment; S is written as bq x len at
-                // column offset `col` with row stride nk. All ranges lie inside their slices.
-                unsafe {
-                    gemm::gemm(
-                        bq,
-                        r.len(),
-                        hd,
-                        scores.as_mut_ptr().add(col),
-                        1,
-                        nk as isize,
-                        false,
-                        q_blk.as_ptr(),
-                        1,
-                        qrow as isize,
-                        k.as_ptr(),
-                        row as isize,
-                        1,
-                        0.0,
-                        1.0,
-                        false,
-                        false,
-                        false,
-                        gemm::Parallelism::None,
-                    );
+                let keys = head_rows(seg.k, r, row, g, hd);
+                part.resize(bq * r.len(), 0.0);
+                matmul(&mut part, &qb, &keys, bq, hd, r.len());
+                for (srow, prow) in scores.chunks_exact_mut(nk).zip(part.chunks_exact(r.len())) {
+                    srow[col..col + r.len()].copy_from_slice(prow);
                 }
                 col += r.len();
             }
 
-            // Scale, cap, mask and softmax each query's row.
-            for t in 0..bq {
+            // Scale, cap, mask and softmax each query's row. A part's keys are consecutive
+            // positions, so the keys a query sees in it are one run.
+            for (t, srow) in scores.chunks_exact_mut(nk).enumerate() {
                 let qpos = first_q + t;
                 let first = s.first_visible(qpos);
-                let srow = &mut scores[t * nk..(t + 1) * nk];
                 let mut c = 0;
                 for (seg, r) in &parts {
-                    for key in r.clone() {
-                        let kpos = seg.pos0 + key;
-                        let x = &mut srow[c];
-                        if kpos > qpos || kpos < first {
-                            *x = f32::NEG_INFINITY;
-                        } else {
-                            *x *= s.scale;
-                            if let Some(cap) = s.softcap {
-                                *x = (*x / cap).tanh() * cap;
-                            }
+                    let cells = &mut srow[c..c + r.len()];
+                    let pos = |key: usize| seg.pos0 + key;
+                    let a = r.clone().take_while(|&k| pos(k) < first).count();
+                    let b = r.clone().take_while(|&k| pos(k) <= qpos).count().max(a);
+                    cells[..a].fill(f32::NEG_INFINITY);
+                    cells[b..].fill(f32::NEG_INFINITY);
+                    for x in &mut cells[a..b] {
+                        *x *= s.scale;
+                        if let Some(cap) = s.softcap {
+                            *x = (*x / cap).tanh() * cap;
                         }
-                        c += 1;
                     }
+                    c += r.len();
                 }
                 softmax(srow);
             }
@@ -191,33 +180,9 @@ fn attention_blocked(
             // O[bq, hd] = P . V
             let mut o = vec![0.0f32; bq * hd];
             let mut col = 0;
-            for (i, (seg, r)) in parts.iter().enumerate() {
-                let v = &seg.v[r.start * row + g..];
-                // SAFETY: P is read as bq x len at column offset `col` (row stride nk), V as
-                // len x hd with row stride `row`, O written as bq x hd; all inside their slices.
-                unsafe {
-                    gemm::gemm(
-                        bq,
-                        hd,
-                        r.len(),
-                        o.as_mut_ptr(),
-                        1,
-                        hd as isize,
-                        i > 0,
-                        scores.as_ptr().add(col),
-                        1,
-                        nk as isize,
-                        v.as_ptr(),
-                        1,
-                        row as isize,
-                        1.0,
-                        1.0,
-                        false,
-                        false,
-                        false,
-                        gemm::Parallelism::None,
-                    );
-                }
+            for (seg, r) in &parts {
+                let values = head_rows(seg.v, r, row, g, hd);
+                weighted_rows(&mut o, &scores, nk, col, &values, bq, hd);
                 col += r.len();
             }
             (t0, h, o)
@@ -227,6 +192,122 @@ fn attention_blocked(
     for (t0, h, o) in results {
         for (t, o) in o.chunks_exact(hd).enumerate() {
             out[(t0 + t) * qrow + h * hd..][..hd].copy_from_slice(o);
+        }
+    }
+}
+
+/// Rows `r` of one KV head (columns `g..g + hd` of `row`-wide rows) as a contiguous `[len,
+/// hd]` block: borrowed where the layer has one KV head (the rows are the block), else copied.
+fn head_rows<'a>(
+    rows: &'a [f32],
+    r: &std::ops::Range<usize>,
+    row: usize,
+    g: usize,
+    hd: usize,
+) -> std::borrow::Cow<'a, [f32]> {
+    if row == hd {
+        return std::borrow::Cow::Borrowed(&rows[r.start * hd..r.end * hd]);
+    }
+    std::borrow::Cow::Owned(
+        r.clone()
+            .flat_map(|k| &rows[k * row + g..][..hd])
+            .copied()
+            .collect(),
+    )
+}
+
+/// `o[t] += sum_j p[t, col + j] v[j]` for the `bq` rows of `o` (`[bq, hd]`), `p` with rows of
+/// `nk`, `v` the `[len, hd]` value rows.
+///
+/// Where the CPU has AVX-512F and `hd` is a multiple of 64: tiles of four queries by 64
+/// dimensions, each value row loaded once per tile and met by four broadcast weights (16
+/// accumulators).
+fn weighted_rows(o: &mut [f32], p: &[f32], nk: usize, col: usize, v: &[f32], bq: usize, hd: usize) {
+    #[cfg(target_arch = "x86_64")]
+    if hd.is_multiple_of(64) && std::arch::is_x86_feature_detected!("avx512f") {
+        // SAFETY: the CPU has AVX-512F; the shapes are as documented above.
+        unsafe { weighted_rows_avx512(o, p, nk, col, v, bq, hd, v.len() / hd) };
+        return;
+    }
+    for (t, o) in o.chunks_exact_mut(hd).enumerate() {
+        for (j, v) in v.chunks_exact(hd).enumerate() {
+            let w = p[t * nk + col + j];
+            for (o, &v) in o.iter_mut().zip(v) {
+                *o += w * v;
+            }
+        }
+    }
+}
+
+/// [`weighted_rows`] with AVX-512F tiles.
+///
+/// # Safety
+/// The CPU must have AVX-512F; `hd % 64 == 0`, `o` is `[bq, hd]`, `p` `[bq, nk]` with `col +
+/// len <= nk`, `v` `[len, hd]`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn weighted_rows_avx512(
+    o: &mut [f32],
+    p: &[f32],
+    nk: usize,
+    col: usize,
+    v: &[f32],
+    bq: usize,
+    hd: usize,
+    len: usize,
+) {
+    let mut t = 0;
+    while t < bq {
+        let rows = (bq - t).min(4);
+        for d in (0..hd).step_by(64) {
+            let (op, pp, vp) = (
+                o.as_mut_ptr().add(t * hd + d),
+                p.as_ptr().add(t * nk + col),
+                v.as_ptr().add(d),
+            );
+            match rows {
+                4 => weighted_tile::<4>(op, pp, vp, nk, hd, len),
+                3 => weighted_tile::<3>(op, pp, vp, nk, hd, len),
+                2 => weighted_tile::<2>(op, pp, vp, nk, hd, len),
+                _ => weighted_tile::<1>(op, pp, vp, nk, hd, len),
+            }
+        }
+        t += rows;
+    }
+}
+
+/// `T` rows of `o` by 64 dimensions: `o[t, 0..64] += sum_j p[t, j] v[j, 0..64]`.
+///
+/// # Safety
+/// The CPU must have AVX-512F; `o` addresses `T` rows of stride `hd` with 64 floats each, `p`
+/// `T` rows of stride `nk` with `len` weights, `v` `len` rows of stride `hd` with 64 floats.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn weighted_tile<const T: usize>(
+    o: *mut f32,
+    p: *const f32,
+    v: *const f32,
+    nk: usize,
+    hd: usize,
+    len: usize,
+) {
+    use std::arch::x86_64::*;
+    let mut acc: [[__m512; 4]; T] =
+        std::array::from_fn(|t| std::array::from_fn(|c| _mm512_loadu_ps(o.add(t * hd + 16 * c))));
+    for j in 0..len {
+        let vv: [__m512; 4] = std::array::from_fn(|c| _mm512_loadu_ps(v.add(j * hd + 16 * c)));
+        for (t, acc) in acc.iter_mut().enumerate() {
+            let w = _mm512_set1_ps(*p.add(t * nk + j));
+            for (acc, vv) in acc.iter_mut().zip(&vv) {
+                *acc = _mm512_fmadd_ps(w, *vv, *acc);
+            }
+        }
+    }
+    for (t, acc) in acc.iter().enumerate() {
+        for (c, acc) in acc.iter().enumerate() {
+            _mm512_storeu_ps(o.add(t * hd + 16 * c), *acc);
         }
     }
 }
@@ -344,6 +425,63 @@ mod tests {
                     .map(|(a, b)| (a - b).abs())
                     .fold(0.0, f32::max);
                 assert!(err < 1e-5, "window {window:?} chunk at {pos}: {err}");
+                cache.commit(pos, kc, vc, row);
+                pos += n;
+            }
+            assert_eq!(pos, total);
+        }
+    }
+
+    /// The same at the real model's head size (one KV head, 256 dims) and at 64 dims with two
+    /// KV heads: the AVX-512 tiles of `weighted_rows` and the borrowed and copied key rows, over
+    /// chunks longer than a query block.
+    #[test]
+    fn chunked_at_model_head_sizes_matches_naive() {
+        for (kv_heads, head_dim, window) in [(1, 256, None), (1, 256, Some(20)), (2, 64, Some(9))] {
+            let s = AttnShape {
+                heads: 4,
+                kv_heads,
+                head_dim,
+                window,
+                scale: 0.0625,
+                softcap: None,
+            };
+            let row = s.kv_heads * s.head_dim;
+            let qrow = s.heads * s.head_dim;
+            let total = 80;
+            let k = values(total * row, 7);
+            let v = values(total * row, 8);
+            let q = values(total * qrow, 9);
+            let mut want = vec![0.0; q.len()];
+            attention_naive(&mut want, &q, 0, &k, &v, s);
+            let mut cache = match window {
+                Some(w) => LayerKv::Ring(crate::kv::RingKv::new(w)),
+                None => LayerKv::Full(Default::default()),
+            };
+            let mut pos = 0;
+            for n in [3usize, 37, 1, 39] {
+                let (kc, vc) = (
+                    &k[pos * row..(pos + n) * row],
+                    &v[pos * row..(pos + n) * row],
+                );
+                let qc = &q[pos * qrow..(pos + n) * qrow];
+                let mut segs = cache.segments(pos, row);
+                segs.push(KvSegment {
+                    k: kc,
+                    v: vc,
+                    pos0: pos,
+                });
+                let mut got = vec![0.0; qc.len()];
+                attention(&mut got, qc, pos, &segs, s);
+                let err = got
+                    .iter()
+                    .zip(&want[pos * qrow..(pos + n) * qrow])
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0.0, f32::max);
+                assert!(
+                    err < 1e-5,
+                    "{kv_heads} x {head_dim}, window {window:?}, chunk at {pos}: {err}"
+                );
                 cache.commit(pos, kc, vc, row);
                 pos += n;
             }
