@@ -116,21 +116,9 @@ impl TiedHead {
         // Rows in blocks: one rayon task a block, each block's scores and bounds computed once
         // into a buffer by a loop the compiler vectorises. A block keeps the rows that reach
         // its own best lower bound, a superset of those that reach the global one.
-        const BLOCK: usize = 2048;
-        let (lower, mut rows) = (0..vocab.div_ceil(BLOCK))
+        let (lower, mut rows) = (0..vocab.div_ceil(SCREEN_BLOCK))
             .into_par_iter()
-            .map(|b| {
-                let range = b * BLOCK..((b + 1) * BLOCK).min(vocab);
-                let (mut hi, mut lo) = ([0f64; BLOCK], [0f64; BLOCK]);
-                screen.rows(self, range.clone(), &mut hi, &mut lo);
-                let n = range.len();
-                let best = lo[..n].iter().copied().fold(f64::NEG_INFINITY, f64::max);
-                let rows: Vec<usize> = (0..n)
-                    .filter(|&k| hi[k] >= best)
-                    .map(|k| range.start + k)
-                    .collect();
-                (best, rows)
-            })
+            .map(|b| screen.block(self, b * SCREEN_BLOCK..((b + 1) * SCREEN_BLOCK).min(vocab)))
             .reduce(
                 || (f64::NEG_INFINITY, Vec::new()),
                 |(l1, mut r1), (l2, r2)| {
@@ -236,10 +224,53 @@ struct Screen {
     err: f64,
 }
 
+/// Rows per block of [`TiedHead::argmax`]'s pass over the screen's scores.
+const SCREEN_BLOCK: usize = 2048;
+
 impl Screen {
+    /// The best lower bound among rows `range` (at most [`SCREEN_BLOCK`]) and the rows whose
+    /// upper bound reaches it, compiled for AVX-512 where the CPU has it (the loops are f64:
+    /// 2 lanes in the baseline build; 0.26 ms of a decode step, 1.1% of its samples, before).
+    fn block(&self, head: &TiedHead, range: std::ops::Range<usize>) -> (f64, Vec<usize>) {
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU has AVX-512F.
+            return unsafe { self.block_avx512(head, range) };
+        }
+        self.block_plain(head, range)
+    }
+
+    /// [`Screen::block_plain`] compiled for AVX-512.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512F.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn block_avx512(
+        &self,
+        head: &TiedHead,
+        range: std::ops::Range<usize>,
+    ) -> (f64, Vec<usize>) {
+        self.block_plain(head, range)
+    }
+
+    #[inline(always)]
+    fn block_plain(&self, head: &TiedHead, range: std::ops::Range<usize>) -> (f64, Vec<usize>) {
+        let (mut hi, mut lo) = ([0f64; SCREEN_BLOCK], [0f64; SCREEN_BLOCK]);
+        self.rows(head, range.clone(), &mut hi, &mut lo);
+        let n = range.len();
+        let best = lo[..n].iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let rows = (0..n)
+            .filter(|&k| hi[k] >= best)
+            .map(|k| range.start + k)
+            .collect();
+        (best, rows)
+    }
+
     /// For rows `range`, each row's approximate logit `ã' = S s δ` plus (into `hi`) and minus
     /// (into `lo`) its bound `|h| slack + |a| ε`: the row's f32 logit lies between the two
     /// (module documentation).
+    #[inline(always)]
     fn rows(&self, head: &TiedHead, range: std::ops::Range<usize>, hi: &mut [f64], lo: &mut [f64]) {
         let n = range.len();
         let (sums, scale) = (&self.sums[range.clone()], &head.scale[range.clone()]);
