@@ -113,8 +113,8 @@ impl Attention {
         let v = self.v_proj.forward(x); // [n, kv_heads, hd]
         self.q_norm.forward_inplace(&mut q);
         self.k_norm.forward_inplace(&mut k);
-        self.rope.apply(&mut q, pos0, s.heads);
-        self.rope.apply(&mut k, pos0, s.kv_heads);
+        self.rope
+            .apply_qk(&mut q, s.heads, &mut k, s.kv_heads, pos0);
 
         let row = s.kv_heads * s.head_dim;
         let mut attn = vec![0.0; q.len()]; // [n, heads, hd]

@@ -26,13 +26,39 @@ impl Rope {
     /// # Shapes
     /// `x`: `[n, heads, head_dim]`.
     pub fn apply(&self, x: &mut [f32], pos0: usize, heads: usize) {
+        self.apply_qk(x, heads, &mut [], 0, pos0);
+    }
+
+    /// [`Rope::apply`] to a layer's queries and keys of the same positions, each position's
+    /// cos and sin computed once for both (they were 1.7% of a prefill's samples when computed
+    /// for each).
+    ///
+    /// # Shapes
+    /// `q`: `[n, q_heads, head_dim]`; `k`: `[n, k_heads, head_dim]` or empty.
+    pub fn apply_qk(
+        &self,
+        q: &mut [f32],
+        q_heads: usize,
+        k: &mut [f32],
+        k_heads: usize,
+        pos0: usize,
+    ) {
         let half = self.inv_freq.len();
         let head_dim = 2 * half;
+        assert!(
+            k.is_empty() || k.len() * q_heads == q.len() * k_heads,
+            "Rope::apply_qk: q and k of different lengths"
+        );
         let mut cos = vec![0.0f32; half];
         let mut sin = vec![0.0f32; half];
-        for (t, token) in x.chunks_exact_mut(heads * head_dim).enumerate() {
+        let mut keys = k.chunks_exact_mut((k_heads * head_dim).max(1));
+        for (t, token) in q.chunks_exact_mut(q_heads * head_dim).enumerate() {
             self.tables(pos0 + t, &mut cos, &mut sin);
-            for row in token.chunks_exact_mut(head_dim) {
+            let key = keys.next().unwrap_or_default();
+            for row in token
+                .chunks_exact_mut(head_dim)
+                .chain(key.chunks_exact_mut(head_dim))
+            {
                 let (a, b) = row.split_at_mut(half);
                 for k in 0..half {
                     let (x1, x2) = (a[k], b[k]);
@@ -72,6 +98,27 @@ mod tests {
             let nb: f32 = b.iter().map(|v| v * v).sum();
             assert!((na - nb).abs() < 1e-3);
         }
+    }
+
+    /// Queries and keys rotated together are bit for bit the two rotated apart.
+    #[test]
+    fn apply_qk_equals_apply_on_each() {
+        let rope = Rope::new(10_000.0, 8, 1.0);
+        let q: Vec<f32> = (0..3 * 4 * 8).map(|i| (i as f32 * 0.37).sin()).collect();
+        let k: Vec<f32> = (0..3 * 2 * 8).map(|i| (i as f32 * 0.71).cos()).collect();
+        let (mut q1, mut k1) = (q.clone(), k.clone());
+        rope.apply(&mut q1, 5, 4);
+        rope.apply(&mut k1, 5, 2);
+        let (mut q2, mut k2) = (q, k);
+        rope.apply_qk(&mut q2, 4, &mut k2, 2, 5);
+        assert_eq!(q1, q2);
+        assert_eq!(k1, k2);
+        assert_ne!(
+            k1,
+            (0..3 * 2 * 8)
+                .map(|i| (i as f32 * 0.71).cos())
+                .collect::<Vec<_>>()
+        );
     }
 
     #[test]
