@@ -384,50 +384,54 @@ mod tests {
         }
     }
 
+    /// Runs a random sequence through `attention` in `chunks` (their sum is its length) over a
+    /// real ring or full cache, and asserts that every chunk's output is within 1e-5 of the
+    /// naive attention over the whole sequence.
+    fn assert_chunked_matches_naive(s: AttnShape, chunks: &[usize], seed: u64) {
+        let row = s.kv_heads * s.head_dim;
+        let qrow = s.heads * s.head_dim;
+        let total: usize = chunks.iter().sum();
+        let k = values(total * row, seed);
+        let v = values(total * row, seed + 1);
+        let q = values(total * qrow, seed + 2);
+        let mut want = vec![0.0; q.len()];
+        attention_naive(&mut want, &q, 0, &k, &v, s);
+        let mut cache = match s.window {
+            Some(w) => LayerKv::Ring(crate::kv::RingKv::new(w)),
+            None => LayerKv::Full(Default::default()),
+        };
+        let mut pos = 0;
+        for &n in chunks {
+            let (kc, vc) = (
+                &k[pos * row..(pos + n) * row],
+                &v[pos * row..(pos + n) * row],
+            );
+            let qc = &q[pos * qrow..(pos + n) * qrow];
+            let mut segs = cache.segments(pos, row);
+            segs.push(KvSegment {
+                k: kc,
+                v: vc,
+                pos0: pos,
+            });
+            let mut got = vec![0.0; qc.len()];
+            attention(&mut got, qc, pos, &segs, s);
+            let err = got
+                .iter()
+                .zip(&want[pos * qrow..(pos + n) * qrow])
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0, f32::max);
+            assert!(err < 1e-5, "{s:?}, chunk at {pos}: {err}");
+            cache.commit(pos, kc, vc, row);
+            pos += n;
+        }
+    }
+
     /// A sequence split into chunks through a real ring or full cache gives the same outputs as
     /// the naive attention over the whole sequence.
     #[test]
     fn chunked_over_cache_matches_naive() {
         for window in [None, Some(1), Some(3), Some(5)] {
-            let s = shape(window);
-            let row = s.kv_heads * s.head_dim;
-            let total = 17;
-            let k = values(total * row, 1);
-            let v = values(total * row, 2);
-            let q = values(total * s.heads * s.head_dim, 3);
-            let mut want = vec![0.0; q.len()];
-            attention_naive(&mut want, &q, 0, &k, &v, s);
-
-            let mut cache = match window {
-                Some(w) => LayerKv::Ring(crate::kv::RingKv::new(w)),
-                None => LayerKv::Full(Default::default()),
-            };
-            let mut pos = 0;
-            for n in [1usize, 4, 2, 7, 1, 2] {
-                let (kc, vc) = (
-                    &k[pos * row..(pos + n) * row],
-                    &v[pos * row..(pos + n) * row],
-                );
-                let qc = &q[pos * s.heads * s.head_dim..(pos + n) * s.heads * s.head_dim];
-                let mut segs = cache.segments(pos, row);
-                segs.push(KvSegment {
-                    k: kc,
-                    v: vc,
-                    pos0: pos,
-                });
-                let mut got = vec![0.0; qc.len()];
-                attention(&mut got, qc, pos, &segs, s);
-                let w = &want[pos * s.heads * s.head_dim..(pos + n) * s.heads * s.head_dim];
-                let err = got
-                    .iter()
-                    .zip(w)
-                    .map(|(a, b)| (a - b).abs())
-                    .fold(0.0, f32::max);
-                assert!(err < 1e-5, "window {window:?} chunk at {pos}: {err}");
-                cache.commit(pos, kc, vc, row);
-                pos += n;
-            }
-            assert_eq!(pos, total);
+            assert_chunked_matches_naive(shape(window), &[1, 4, 2, 7, 1, 2], 1);
         }
     }
 
@@ -445,46 +449,7 @@ mod tests {
                 scale: 0.0625,
                 softcap: None,
             };
-            let row = s.kv_heads * s.head_dim;
-            let qrow = s.heads * s.head_dim;
-            let total = 80;
-            let k = values(total * row, 7);
-            let v = values(total * row, 8);
-            let q = values(total * qrow, 9);
-            let mut want = vec![0.0; q.len()];
-            attention_naive(&mut want, &q, 0, &k, &v, s);
-            let mut cache = match window {
-                Some(w) => LayerKv::Ring(crate::kv::RingKv::new(w)),
-                None => LayerKv::Full(Default::default()),
-            };
-            let mut pos = 0;
-            for n in [3usize, 37, 1, 39] {
-                let (kc, vc) = (
-                    &k[pos * row..(pos + n) * row],
-                    &v[pos * row..(pos + n) * row],
-                );
-                let qc = &q[pos * qrow..(pos + n) * qrow];
-                let mut segs = cache.segments(pos, row);
-                segs.push(KvSegment {
-                    k: kc,
-                    v: vc,
-                    pos0: pos,
-                });
-                let mut got = vec![0.0; qc.len()];
-                attention(&mut got, qc, pos, &segs, s);
-                let err = got
-                    .iter()
-                    .zip(&want[pos * qrow..(pos + n) * qrow])
-                    .map(|(a, b)| (a - b).abs())
-                    .fold(0.0, f32::max);
-                assert!(
-                    err < 1e-5,
-                    "{kv_heads} x {head_dim}, window {window:?}, chunk at {pos}: {err}"
-                );
-                cache.commit(pos, kc, vc, row);
-                pos += n;
-            }
-            assert_eq!(pos, total);
+            assert_chunked_matches_naive(s, &[3, 37, 1, 39], 7);
         }
     }
 
