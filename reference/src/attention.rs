@@ -222,10 +222,19 @@ fn head_rows<'a>(
 /// dimensions, each value row loaded once per tile and met by four broadcast weights (16
 /// accumulators).
 fn weighted_rows(o: &mut [f32], p: &[f32], nk: usize, col: usize, v: &[f32], bq: usize, hd: usize) {
+    let len = v.len() / hd;
+    assert!(
+        o.len() == bq * hd && v.len() == len * hd,
+        "weighted_rows: o or v"
+    );
+    assert!(
+        col + len <= nk && (bq == 0 || (bq - 1) * nk + col + len <= p.len()),
+        "weighted_rows: p"
+    );
     #[cfg(target_arch = "x86_64")]
     if hd.is_multiple_of(64) && std::arch::is_x86_feature_detected!("avx512f") {
-        // SAFETY: the CPU has AVX-512F; the shapes are as documented above.
-        unsafe { weighted_rows_avx512(o, p, nk, col, v, bq, hd, v.len() / hd) };
+        // SAFETY: the CPU has AVX-512F; the shapes were checked above.
+        unsafe { weighted_rows_avx512(o, p, nk, col, v, bq, hd, len) };
         return;
     }
     for (t, o) in o.chunks_exact_mut(hd).enumerate() {
