@@ -1,9 +1,11 @@
 //! criterion micro-benchmarks of the reference kernels at Gemma 3 270M's shapes.
 //!
-//! - `matvec/*`: decode projections (one token) including the 640 -> 262144 head;
+//! - `matvec/*`: decode projections (one token) including the 640 -> 262144 head, and the
+//!   projections on the packed weights the model's layers use (`matvec/packed_*`);
 //! - `head/*`: the greedy token of that head by the int8 screen (`kvsnap_reference::head`);
-//! - `matmul/*`: the same projections for a 22-token extend and an 860-token prefill, and the
-//!   prefill by the `gemm` crate (`matmul/gemm_crate_*`) beside the AVX-512 blocked GEMM;
+//! - `matmul/*`: the same projections for a 22-token extend and an 860-token prefill, on the
+//!   row-major weights and on packed ones (`matmul/packed_*`, what the model's layers run
+//!   where the CPU has AVX-512F), and the prefill by the `gemm` crate (`matmul/gemm_crate_*`);
 //! - `attention/*`: one decode query and a 32-query chunk over 64, 512 and 1024 keys (4 query
 //!   heads sharing one KV head of 256);
 //! - `rms_norm/*`: one 640 row and an 860-row prefill;
@@ -23,7 +25,9 @@ use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Through
 use kvsnap_contract::{KvModel, Logits, ModelConfig};
 use kvsnap_reference::attention::{attention, AttnShape};
 use kvsnap_reference::head::TiedHead;
-use kvsnap_reference::kernels::{matmul, matmul_gemm_crate, matvec, rms_norm, FEW_ROWS};
+use kvsnap_reference::kernels::{
+    matmul, matmul_gemm_crate, matmul_packed, matvec, rms_norm, PackedWeight, FEW_ROWS,
+};
 use kvsnap_reference::kv::KvSegment;
 use kvsnap_reference::tiny::{config_json, random_weights, Preset};
 use kvsnap_reference::{write_safetensors, ReferenceModel};
@@ -55,6 +59,11 @@ fn bench_matvec(c: &mut Criterion) {
         g.bench_function(name, |b| {
             b.iter(|| matvec(black_box(&mut out), &x, &w, i, o))
         });
+        if let (true, Some(packed)) = (i * o < 1 << 24, PackedWeight::new(&w, i, o)) {
+            g.bench_function(format!("packed_{name}"), |b| {
+                b.iter(|| matmul_packed(black_box(&mut out), &x, &packed, 1))
+            });
+        }
     }
     g.finish();
 }
@@ -92,6 +101,12 @@ fn bench_matmul(c: &mut Criterion) {
             g.bench_with_input(BenchmarkId::new(name, n), &n, |b, &n| {
                 b.iter(|| matmul(black_box(&mut out), &x, &w, n, i, o))
             });
+            if let Some(packed) = PackedWeight::new(&w, i, o) {
+                let id = BenchmarkId::new(format!("packed_{name}"), n);
+                g.bench_with_input(id, &n, |b, &n| {
+                    b.iter(|| matmul_packed(black_box(&mut out), &x, &packed, n))
+                });
+            }
             if n > FEW_ROWS {
                 // The `gemm` crate on the same prefill: what the blocked AVX-512 GEMM replaced.
                 let id = BenchmarkId::new(format!("gemm_crate_{name}"), n);

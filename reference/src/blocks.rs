@@ -3,7 +3,9 @@
 use kvsnap_contract::{LayerKind, ModelConfig, Result};
 
 use crate::attention::{attention, AttnShape};
-use crate::kernels::{add_inplace, geglu, matmul, rms_norm, rms_norm_inplace};
+use crate::kernels::{
+    add_inplace, geglu, matmul, matmul_packed, rms_norm, rms_norm_inplace, PackedWeight,
+};
 use crate::kv::{KvSegment, LayerKv};
 use crate::rope::Rope;
 use crate::weights::{Tensor, Weights};
@@ -35,8 +37,12 @@ impl RmsNorm {
 }
 
 /// A bias-free linear layer with an HF `[out, in]` weight.
+///
+/// Where the CPU has AVX-512F the weight is packed at load ([`PackedWeight`]) and the mapped
+/// file's pages of it are released: the products read only the packed copy.
 pub struct Linear {
     weight: Tensor, // [out, in]
+    packed: Option<PackedWeight>,
     inp: usize,
     out: usize,
 }
@@ -44,8 +50,15 @@ pub struct Linear {
 impl Linear {
     /// Loads `{prefix}.weight` of shape `[out, inp]`.
     pub fn load(w: &Weights, prefix: &str, inp: usize, out: usize) -> Result<Self> {
+        let weight = w.tensor(&format!("{prefix}.weight"), &[out, inp])?;
+        let packed = PackedWeight::new(&weight, inp, out);
+        if packed.is_some() {
+            // Advice only: on an error the pages stay resident, nothing else changes.
+            let _ = weight.release_resident_pages();
+        }
         Ok(Linear {
-            weight: w.tensor(&format!("{prefix}.weight"), &[out, inp])?,
+            weight,
+            packed,
             inp,
             out,
         })
@@ -55,7 +68,10 @@ impl Linear {
     pub fn forward(&self, x: &[f32]) -> Vec<f32> {
         let n = x.len() / self.inp;
         let mut y = vec![0.0; n * self.out];
-        matmul(&mut y, x, &self.weight, n, self.inp, self.out);
+        match &self.packed {
+            Some(packed) => matmul_packed(&mut y, x, packed, n),
+            None => matmul(&mut y, x, &self.weight, n, self.inp, self.out),
+        }
         y
     }
 }

@@ -35,6 +35,65 @@ pub fn matmul(out: &mut [f32], x: &[f32], w: &[f32], n: usize, i: usize, o: usiz
     matmul_gemm_crate(out, x, w, n, i, o)
 }
 
+/// A weight `[o, i]` packed once, at load, into the panels the AVX-512 kernels read (`[i, 32]`
+/// each, 32 weight rows side by side): [`matmul_packed`] then multiplies it without the
+/// per-call copy of [`matmul`]'s blocked GEMM, and a single row streams each panel in order.
+///
+/// Against the row-major kernels over 18 layers of distinct weights (a throwaway sweep from
+/// memory, docs/BENCHMARKS.md, fourteenth pass): a 22-row extend's products 40-41 -> 31 ms,
+/// the decode step's matvecs 13.4-14.1 -> 12.2-12.8 ms.
+pub struct PackedWeight {
+    #[cfg(target_arch = "x86_64")]
+    panels: blocked::Panels,
+}
+
+impl PackedWeight {
+    /// `w` (`[o, i]`) packed, or `None` where the CPU lacks AVX-512F (or `i` exceeds the
+    /// blocked GEMM's depth): the row-major kernels then serve it.
+    pub fn new(w: &[f32], i: usize, o: usize) -> Option<Self> {
+        assert_eq!(w.len(), o * i, "PackedWeight: w");
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx512f") && i <= blocked::MAX_DEPTH {
+            // SAFETY: the CPU has AVX-512F, `w` holds `o * i` floats, the depth is checked.
+            let panels = unsafe { blocked::Panels::pack(w, i, o) };
+            return Some(PackedWeight { panels });
+        }
+        None
+    }
+
+    /// The weight's `(out, in)` shape.
+    pub fn shape(&self) -> (usize, usize) {
+        #[cfg(target_arch = "x86_64")]
+        return self.panels.shape();
+        #[cfg(not(target_arch = "x86_64"))]
+        unreachable!("PackedWeight::new returns None off x86-64")
+    }
+}
+
+/// `out[n, o] = x[n, i] . w[o, i]^T` for a packed weight: one row by a panel matvec, more by
+/// the blocked GEMM's tiles over the packed panels.
+///
+/// # Shapes
+/// `out`: `[n, o]`, `x`: `[n, i]` for `w`'s `(o, i)`.
+pub fn matmul_packed(out: &mut [f32], x: &[f32], w: &PackedWeight, n: usize) {
+    let (o, i) = w.shape();
+    assert_eq!(out.len(), n * o, "matmul_packed: out");
+    assert_eq!(x.len(), n * i, "matmul_packed: x");
+    if n == 0 || o == 0 {
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        // SAFETY: a `PackedWeight` exists only where the CPU has AVX-512F; the lengths are
+        // asserted above.
+        if n == 1 {
+            unsafe { blocked::matvec_panels_avx512(out, x, &w.panels) };
+        } else {
+            unsafe { blocked::matmul_panels_avx512(out, x, &w.panels, n) };
+        }
+    }
+}
+
 /// [`matmul`] by the `gemm` crate (blocked SIMD GEMM, rayon): what [`matmul`] runs for a
 /// prefill where the CPU lacks AVX-512F, and the second SGEMM of `kvsnap bench limits`.
 ///
@@ -76,7 +135,10 @@ pub fn matmul_gemm_crate(out: &mut [f32], x: &[f32], w: &[f32], n: usize, i: usi
 /// on the model's projections (criterion, a 2-core Xeon: 22 rows of `[2048, 640]` 1.18 -> 0.63
 /// ms, 64 rows 2.59 -> 1.31 ms). Against the AVX-512 blocked GEMM (`blocked`) a 22-row chunk
 /// is a draw: faster for q and gate/up, slower for k/v and down in cache, and the catalog's
-/// 22-token extend took 114-129 ms with either (docs/BENCHMARKS.md, seventh pass).
+/// 22-token extend took 114-129 ms with either (docs/BENCHMARKS.md, seventh pass). With the
+/// weights packed at load ([`PackedWeight`]) the blocked tiles win: the model's layers run
+/// [`matmul_packed`] where the CPU has AVX-512F, and `matmul` serves the attention's scores
+/// and CPUs without it.
 pub const FEW_ROWS: usize = 64;
 
 /// How many groups of four weight rows ahead [`matmul_few`] prefetches.
@@ -85,11 +147,11 @@ const FEW_AHEAD_GROUPS: usize = 2;
 /// `out[n, o] = x[n, i] . w[o, i]^T` for a few rows, weight-stationary like [`matvec`]: each
 /// group of four weight rows is read from memory once, in order, and multiplied with every row
 /// of `x` (which stays in cache) as tiles of 4 x up to 4 16-lane dot products; blocks of 64
-/// weight rows are split across rayon's pool. A group's first tile prefetches the group
-/// [`FEW_AHEAD_GROUPS`] ahead: without it a group's rows arrived only as its first tile read
-/// them (a 22-token extend after an 860-token prefix: five interleaved runs of 30, p50
-/// 74.7-85.5 -> 66.3-80.5 ms, faster in each; docs/BENCHMARKS.md, fourteenth pass). Computed
-/// as `out^T` (each task owns whole rows of it), then transposed.
+/// weight rows are split across rayon's pool. A group's first tile prefetches the group two
+/// ahead: without it a group's rows arrived only as its first tile read them (a 22-token
+/// extend after an 860-token prefix, when the layers still ran here: five interleaved runs of
+/// 30, p50 74.7-85.5 -> 66.3-80.5 ms, faster in each; docs/BENCHMARKS.md, fourteenth pass).
+/// Computed as `out^T` (each task owns whole rows of it), then transposed.
 pub fn matmul_few(out: &mut [f32], x: &[f32], w: &[f32], n: usize, i: usize, o: usize) {
     assert_eq!(out.len(), n * o, "matmul_few: out");
     assert_eq!(x.len(), n * i, "matmul_few: x");
@@ -705,6 +767,45 @@ pub(crate) mod tests {
             matmul_gemm_crate(&mut crate_gemm, &x, &w, n, i, o);
             assert!(max_diff(&crate_gemm, &slow) < i as f32 * 1.2e-7 * 4.0);
             // f32 accumulation over i terms of size <= 1: error bound ~ i * eps.
+            let bound = i as f32 * 1.2e-7 * 4.0;
+            assert!(
+                max_diff(&fast, &slow) < bound,
+                "{n}x{i}x{o}: {}",
+                max_diff(&fast, &slow)
+            );
+        }
+    }
+
+    /// A packed weight multiplies as the row-major one does: one row (the panel matvec, with
+    /// a depth not a multiple of its 4-position steps) and more (the blocked tiles over the
+    /// packed panels), partial panels included. Skipped visibly without AVX-512F.
+    #[test]
+    fn matmul_packed_matches_naive() {
+        let Some(_) = PackedWeight::new(&[0.0], 1, 1) else {
+            eprintln!("SKIPPED: the CPU has no AVX-512F (weights are not packed)");
+            return;
+        };
+        for &(n, i, o) in &[
+            (1, 640, 1024),
+            (1, 2048, 640),
+            (1, 7, 45),
+            (22, 640, 256),
+            (22, 1024, 640),
+            (3, 33, 70),
+            (97, 640, 40),
+        ] {
+            let x = values(n * i, 1);
+            let w = values(o * i, 2);
+            let packed = PackedWeight::new(&w, i, o).expect("packed");
+            assert_eq!(packed.shape(), (o, i));
+            let mut fast = vec![f32::NAN; n * o];
+            let mut slow = vec![0.0; n * o];
+            matmul_packed(&mut fast, &x, &packed, n);
+            matmul_naive(&mut slow, &x, &w, n, i, o);
+            assert!(
+                fast.iter().all(|v| v.is_finite()),
+                "{n}x{i}x{o}: an output not written"
+            );
             let bound = i as f32 * 1.2e-7 * 4.0;
             assert!(
                 max_diff(&fast, &slow) < bound,

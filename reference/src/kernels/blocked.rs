@@ -11,6 +11,10 @@
 //! 24 accumulators, and one store of the finished tile. `out` is written in place, each task its
 //! own columns.
 //!
+//! A weight packed once at load ([`Panels`], the model's layers) skips the per-call copy, and a
+//! single row runs [`matvec_panels_avx512`] over the same panels: broadcasts of `x` into 32
+//! column sums, each panel streamed once in order.
+//!
 //! The `gemm` crate this replaces ran AVX2 code on this target (its AVX-512 kernels need a
 //! nightly compiler): half the FMA width. Splitting the depth into L1-sized blocks (128-512
 //! positions) was measured too: reloading the output tile per block cost more than the block's
@@ -36,6 +40,13 @@ unsafe impl Send for Out {}
 // SAFETY: as above.
 unsafe impl Sync for Out {}
 
+impl Out {
+    /// The pointer (a method, so that a closure captures the `Sync` wrapper, not the field).
+    fn ptr(self) -> *mut f32 {
+        self.0
+    }
+}
+
 /// `out[n, o] = x[n, i] . w[o, i]^T` (shapes checked by the caller).
 ///
 /// # Safety
@@ -49,12 +60,7 @@ pub(super) unsafe fn matmul_avx512(
     i: usize,
     o: usize,
 ) {
-    let mut bands = vec![0.0f32; n.div_ceil(MR) * i * MR];
-    bands
-        .par_chunks_mut(i * MR)
-        .zip(x.par_chunks(i * MR))
-        // SAFETY: the CPU has AVX-512F; `rows` holds whole rows of `i` floats, at most `MR`.
-        .for_each(|(band, rows)| unsafe { interleave_avx512(band, rows, i) });
+    let bands = bands(x, n, i);
     let dst = Out(out.as_mut_ptr());
     (0..o.div_ceil(NR)).into_par_iter().for_each_init(
         || vec![0.0f32; i * NR + LINE],
@@ -70,6 +76,146 @@ pub(super) unsafe fn matmul_avx512(
             unsafe { panel_avx512(dst, &bands, block, cols, n, i, o) };
         },
     );
+}
+
+/// [`matmul_avx512`] with a weight packed at load: the same tiles over `w`'s panels, without
+/// the copy of each panel per call.
+///
+/// # Safety
+/// The CPU must have AVX-512F; `out` and `x` hold `n * w.o` and `n * w.i` floats.
+pub(super) unsafe fn matmul_panels_avx512(out: &mut [f32], x: &[f32], w: &Panels, n: usize) {
+    let (i, o) = (w.i, w.o);
+    let bands = bands(x, n, i);
+    let dst = Out(out.as_mut_ptr());
+    (0..o.div_ceil(NR)).into_par_iter().for_each(|panel| {
+        let cols = panel * NR..(panel * NR + NR).min(o);
+        // SAFETY: the CPU has AVX-512F (the caller's contract); this task alone writes the
+        // columns `cols` of `out`, which holds `n * o` floats; the panel is `[i, NR]`.
+        unsafe { panel_avx512(dst, &bands, w.panel(panel), cols, n, i, o) };
+    });
+}
+
+/// `out[o] = w[o, i] . x[i]` over a packed weight: each panel streamed once, in order, by one
+/// core, as broadcasts of `x` into 32 column sums (no horizontal reductions); pairs of panels
+/// are split across rayon's pool.
+///
+/// # Safety
+/// The CPU must have AVX-512F; `out` and `x` hold `w.o` and `w.i` floats.
+pub(super) unsafe fn matvec_panels_avx512(out: &mut [f32], x: &[f32], w: &Panels) {
+    let o = w.o;
+    let dst = Out(out.as_mut_ptr());
+    (0..o.div_ceil(NR))
+        .into_par_iter()
+        .with_min_len(2)
+        .for_each(|panel| {
+            let cols = panel * NR..(panel * NR + NR).min(o);
+            // SAFETY: the CPU has AVX-512F; this task alone writes `out[cols]`; the panel is
+            // `[i, NR]` and `x` holds `i` floats.
+            unsafe {
+                panel_dot_avx512(
+                    dst.ptr().add(cols.start),
+                    lane_masks(cols.len()),
+                    w.panel(panel),
+                    x,
+                )
+            };
+        });
+}
+
+/// A weight `[o, i]` packed once as [`panel_avx512`] reads it: `o.div_ceil(NR)` panels of
+/// `[i, NR]` (weight row `NR p + j` at lane `j` of panel `p`, zero past the last row), each on
+/// a cache-line boundary.
+pub struct Panels {
+    data: Vec<f32>,
+    /// Where the first panel starts in `data` (its 64-byte boundary).
+    at: usize,
+    i: usize,
+    o: usize,
+}
+
+impl Panels {
+    /// Packs `w` (`[o, i]`), the panels in parallel.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512F; `w` holds `o * i` floats and `i <= MAX_DEPTH`.
+    pub(super) unsafe fn pack(w: &[f32], i: usize, o: usize) -> Panels {
+        let len = o.div_ceil(NR) * i * NR;
+        let mut data = vec![0.0f32; len + LINE];
+        let at = data.as_ptr().align_offset(64).min(LINE);
+        data[at..at + len]
+            .par_chunks_mut((i * NR).max(1))
+            .enumerate()
+            .for_each(|(panel, block)| {
+                let cols = panel * NR..(panel * NR + NR).min(o);
+                // SAFETY: the CPU has AVX-512F; `cols` are rows of `w`; `block` is `[i, NR]`.
+                unsafe { pack_avx512(block, w, cols, i) };
+            });
+        Panels { data, at, i, o }
+    }
+
+    /// Panel `p` as `[i, NR]`.
+    fn panel(&self, p: usize) -> &[f32] {
+        &self.data[self.at + p * self.i * NR..][..self.i * NR]
+    }
+
+    /// The packed weight's `[out, in]` shape.
+    pub(super) fn shape(&self) -> (usize, usize) {
+        (self.o, self.i)
+    }
+}
+
+/// `x` (`n` rows of `i`) interleaved in bands of [`MR`] rows (`[n / MR, i, MR]`, zero past the
+/// last row), in parallel.
+///
+/// # Safety
+/// The CPU must have AVX-512F; `x` holds `n * i` floats and `i <= MAX_DEPTH`.
+unsafe fn bands(x: &[f32], n: usize, i: usize) -> Vec<f32> {
+    let mut bands = vec![0.0f32; n.div_ceil(MR) * i * MR];
+    bands
+        .par_chunks_mut((i * MR).max(1))
+        .zip(x.par_chunks((i * MR).max(1)))
+        // SAFETY: the CPU has AVX-512F; `rows` holds whole rows of `i` floats, at most `MR`.
+        .for_each(|(band, rows)| unsafe { interleave_avx512(band, rows, i) });
+    bands
+}
+
+/// The 32 sums `out[j] = panel[.., j] . x` of one panel (`[i, NR]`), the lanes set in the
+/// masks stored: four positions per iteration into eight accumulators, the panel prefetched
+/// 8 KiB ahead.
+///
+/// # Safety
+/// The CPU must have AVX-512F; `panel` holds `i * NR` floats for `i = x.len()`, `out` the
+/// lanes set in the masks.
+#[target_feature(enable = "avx512f")]
+unsafe fn panel_dot_avx512(out: *mut f32, [lo, hi]: [__mmask16; 2], panel: &[f32], x: &[f32]) {
+    let (p, i) = (panel.as_ptr(), x.len());
+    let mut acc = [_mm512_setzero_ps(); 8];
+    let mut k = 0;
+    while k + 4 <= i {
+        // 4 positions are 512 bytes of the panel: prefetch the 8 lines 8 KiB ahead (past the
+        // panel's end: the next panel, or nothing; a prefetch never faults).
+        let ahead = p.wrapping_add(k * NR + 2048);
+        for line in 0..8 {
+            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(16 * line).cast());
+        }
+        for u in 0..4 {
+            let b = _mm512_set1_ps(x[k + u]);
+            acc[2 * u] = _mm512_fmadd_ps(_mm512_loadu_ps(p.add((k + u) * NR)), b, acc[2 * u]);
+            acc[2 * u + 1] =
+                _mm512_fmadd_ps(_mm512_loadu_ps(p.add((k + u) * NR + 16)), b, acc[2 * u + 1]);
+        }
+        k += 4;
+    }
+    while k < i {
+        let b = _mm512_set1_ps(x[k]);
+        acc[0] = _mm512_fmadd_ps(_mm512_loadu_ps(p.add(k * NR)), b, acc[0]);
+        acc[1] = _mm512_fmadd_ps(_mm512_loadu_ps(p.add(k * NR + 16)), b, acc[1]);
+        k += 1;
+    }
+    let s0 = _mm512_add_ps(_mm512_add_ps(acc[0], acc[2]), _mm512_add_ps(acc[4], acc[6]));
+    let s1 = _mm512_add_ps(_mm512_add_ps(acc[1], acc[3]), _mm512_add_ps(acc[5], acc[7]));
+    _mm512_mask_storeu_ps(out, lo, s0);
+    _mm512_mask_storeu_ps(out.add(16), hi, s1);
 }
 
 /// Writes the rows of `x` in `rows` (at most [`MR`], each `i` long) into `band` as `[i, MR]`:
@@ -185,6 +331,9 @@ unsafe fn tile_avx512<const R: usize>(
 ) {
     let mut acc = [[_mm512_setzero_ps(); 2]; R];
     for k in 0..i {
+        // A packed weight's panel comes from memory on its first band: 8 KiB ahead (one line
+        // of the two each position reads; the hardware fetches the other).
+        _mm_prefetch::<_MM_HINT_T0>(block.wrapping_add(k * NR + 2048).cast());
         let b0 = _mm512_loadu_ps(block.add(k * NR));
         let b1 = _mm512_loadu_ps(block.add(k * NR + 16));
         for (m, acc) in acc.iter_mut().enumerate() {
