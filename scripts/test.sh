@@ -14,6 +14,8 @@ cargo fmt --all -- --check
 # The reliability rows also run on iree-vulkan (lavapipe here): about 3 minutes more.
 FEATURES=kvsnap-reliability/iree-vulkan
 cargo clippy --release --workspace --all-targets --features "$FEATURES" -- -D warnings
+# Public items are documented and every intra-doc link resolves.
+RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --workspace --release
 
 echo "== cargo test (release, real model required)"
 export KVSNAP_REQUIRE_MODEL=1
