@@ -152,17 +152,16 @@ fn attention_blocked(
                 col += r.len();
             }
 
-            // Scale, cap, mask and softmax each query's row. A part's keys are consecutive
-            // positions, so the keys a query sees in it are one run.
+            // Scale, cap, mask and softmax each query's row. The keys a query sees in a part
+            // are one run: its own visible rows of the segment, inside the block's.
             for (t, srow) in scores.chunks_exact_mut(nk).enumerate() {
                 let qpos = first_q + t;
                 let first = s.first_visible(qpos);
                 let mut c = 0;
                 for (seg, r) in &parts {
                     let cells = &mut srow[c..c + r.len()];
-                    let pos = |key: usize| seg.pos0 + key;
-                    let a = r.clone().take_while(|&k| pos(k) < first).count();
-                    let b = r.clone().take_while(|&k| pos(k) <= qpos).count().max(a);
+                    let seen = rows_in(seg, row, first, qpos);
+                    let (a, b) = (seen.start - r.start, seen.end - r.start);
                     cells[..a].fill(f32::NEG_INFINITY);
                     cells[b..].fill(f32::NEG_INFINITY);
                     for x in &mut cells[a..b] {
