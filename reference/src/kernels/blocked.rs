@@ -65,7 +65,7 @@ pub(super) unsafe fn matmul_avx512(
     (0..o.div_ceil(NR)).into_par_iter().for_each_init(
         || vec![0.0f32; i * NR + LINE],
         |block, panel| {
-            let cols = panel * NR..(panel * NR + NR).min(o);
+            let cols = panel_cols(panel, o);
             // Unaligned, every 16-lane load of the block would span two cache lines.
             let at = block.as_ptr().align_offset(64).min(LINE);
             let block = &mut block[at..at + i * NR];
@@ -88,7 +88,7 @@ pub(super) unsafe fn matmul_panels_avx512(out: &mut [f32], x: &[f32], w: &Panels
     let bands = bands(x, n, i);
     let dst = Out(out.as_mut_ptr());
     (0..o.div_ceil(NR)).into_par_iter().for_each(|panel| {
-        let cols = panel * NR..(panel * NR + NR).min(o);
+        let cols = panel_cols(panel, o);
         // SAFETY: the CPU has AVX-512F (the caller's contract); this task alone writes the
         // columns `cols` of `out`, which holds `n * o` floats; the panel is `[i, NR]`.
         unsafe { panel_avx512(dst, &bands, w.panel(panel), cols, n, i, o) };
@@ -108,7 +108,7 @@ pub(super) unsafe fn matvec_panels_avx512(out: &mut [f32], x: &[f32], w: &Panels
         .into_par_iter()
         .with_min_len(2)
         .for_each(|panel| {
-            let cols = panel * NR..(panel * NR + NR).min(o);
+            let cols = panel_cols(panel, o);
             // SAFETY: the CPU has AVX-512F; this task alone writes `out[cols]`; the panel is
             // `[i, NR]` and `x` holds `i` floats.
             unsafe {
@@ -146,7 +146,7 @@ impl Panels {
             .par_chunks_mut((i * NR).max(1))
             .enumerate()
             .for_each(|(panel, block)| {
-                let cols = panel * NR..(panel * NR + NR).min(o);
+                let cols = panel_cols(panel, o);
                 // SAFETY: the CPU has AVX-512F; `cols` are rows of `w`; `block` is `[i, NR]`.
                 unsafe { pack_avx512(block, w, cols, i) };
             });
@@ -162,6 +162,11 @@ impl Panels {
     pub(super) fn shape(&self) -> (usize, usize) {
         (self.o, self.i)
     }
+}
+
+/// The output columns of panel `panel` of a weight with `o` rows: [`NR`], fewer in the last.
+fn panel_cols(panel: usize, o: usize) -> std::ops::Range<usize> {
+    panel * NR..(panel * NR + NR).min(o)
 }
 
 /// `x` (`n` rows of `i`) interleaved in bands of [`MR`] rows (`[n / MR, i, MR]`, zero past the
