@@ -32,11 +32,14 @@ use kvsnap_reference::kv::KvSegment;
 use kvsnap_reference::tiny::{config_json, random_weights, Preset};
 use kvsnap_reference::{write_safetensors, ReferenceModel};
 
-/// The model's projections: (name, in, out).
-const PROJECTIONS: [(&str, usize, usize); 4] = [
+/// The model's projections: (name, in, out). A layer packs q, k and v as one weight
+/// (`qkv`), gate and up as another (`gate_up`); the parts are here too, to compare.
+const PROJECTIONS: [(&str, usize, usize); 6] = [
     ("q_640x1024", 640, 1024),
     ("kv_640x256", 640, 256),
+    ("qkv_640x1536", 640, 1536),
     ("ffn_640x2048", 640, 2048),
+    ("gate_up_640x4096", 640, 4096),
     ("down_2048x640", 2048, 640),
 ];
 

@@ -36,12 +36,13 @@ impl RmsNorm {
     }
 }
 
-/// A bias-free linear layer with an HF `[out, in]` weight.
+/// A bias-free linear layer with an HF `[out, in]` weight, or several of the same input
+/// stacked along the output ([`Linear::stacked`]).
 ///
-/// Where the CPU has AVX-512F the weight is packed at load ([`PackedWeight`]) and the mapped
-/// file's pages of it are released: the products read only the packed copy.
+/// Where the CPU has AVX-512F the weights are packed at load ([`PackedWeight`]) and the mapped
+/// file's pages of them are released: the products read only the packed copy.
 pub struct Linear {
-    weight: Tensor, // [out, in]
+    parts: Vec<Tensor>, // each [out_k, in]
     packed: Option<PackedWeight>,
     inp: usize,
     out: usize,
@@ -50,40 +51,86 @@ pub struct Linear {
 impl Linear {
     /// Loads `{prefix}.weight` of shape `[out, inp]`.
     pub fn load(w: &Weights, prefix: &str, inp: usize, out: usize) -> Result<Self> {
-        let weight = w.tensor(&format!("{prefix}.weight"), &[out, inp])?;
-        let packed = PackedWeight::new(&weight, inp, out);
+        Self::stacked(w, &[(prefix, out)], inp)
+    }
+
+    /// Loads `{prefix}.weight` of shape `[out_k, inp]` for each `(prefix, out_k)`, as one
+    /// layer whose output row holds theirs side by side, in order: one product (one parallel
+    /// pass over the packed weights) instead of one each.
+    pub fn stacked(w: &Weights, parts: &[(&str, usize)], inp: usize) -> Result<Self> {
+        let parts = parts
+            .iter()
+            .map(|&(prefix, out)| w.tensor(&format!("{prefix}.weight"), &[out, inp]))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self::from_parts(parts, inp))
+    }
+
+    /// The layer of the weights `parts` (each `[out_k, inp]`, stacked in order), packed where
+    /// the CPU allows.
+    fn from_parts(parts: Vec<Tensor>, inp: usize) -> Self {
+        let slices: Vec<&[f32]> = parts.iter().map(|t| &t[..]).collect();
+        let packed = PackedWeight::stacked(&slices, inp);
         if packed.is_some() {
-            // Advice only: on an error the pages stay resident, nothing else changes.
-            let _ = weight.release_resident_pages();
+            for part in &parts {
+                // Advice only: on an error the pages stay resident, nothing else changes.
+                let _ = part.release_resident_pages();
+            }
         }
-        Ok(Linear {
-            weight,
+        let out = parts.iter().map(|t| t.len() / inp).sum();
+        Linear {
+            parts,
             packed,
             inp,
             out,
-        })
+        }
     }
 
     /// `x [n, in] -> [n, out]`.
     pub fn forward(&self, x: &[f32]) -> Vec<f32> {
         let n = x.len() / self.inp;
         let mut y = vec![0.0; n * self.out];
-        match &self.packed {
-            Some(packed) => matmul_packed(&mut y, x, packed, n),
-            None => matmul(&mut y, x, &self.weight, n, self.inp, self.out),
+        if let Some(packed) = &self.packed {
+            matmul_packed(&mut y, x, packed, n);
+        } else if let [part] = &self.parts[..] {
+            matmul(&mut y, x, part, n, self.inp, self.out);
+        } else {
+            // Each weight's product, then its columns of every row.
+            let mut col = 0;
+            for part in &self.parts {
+                let out = part.len() / self.inp;
+                let mut yk = vec![0.0; n * out];
+                matmul(&mut yk, x, part, n, self.inp, out);
+                for (row, rk) in y.chunks_exact_mut(self.out).zip(yk.chunks_exact(out)) {
+                    row[col..col + out].copy_from_slice(rk);
+                }
+                col += out;
+            }
         }
         y
     }
 }
 
+/// The column blocks of a row-major `[n, sum(widths)]` matrix, each as its own `[n, width]`.
+fn split_columns<const K: usize>(x: &[f32], widths: [usize; K]) -> [Vec<f32>; K] {
+    let row: usize = widths.iter().sum();
+    let n = x.len() / row.max(1);
+    let mut col = 0;
+    widths.map(|width| {
+        let mut block = Vec::with_capacity(n * width);
+        for r in x.chunks_exact(row) {
+            block.extend_from_slice(&r[col..col + width]);
+        }
+        col += width;
+        block
+    })
+}
+
 /// Self-attention with grouped KV heads, q/k RMSNorm before RoPE, and a sliding or global mask.
 pub struct Attention {
-    q_proj: Linear,  // [heads * hd, hidden]
-    k_proj: Linear,  // [kv_heads * hd, hidden]
-    v_proj: Linear,  // [kv_heads * hd, hidden]
-    o_proj: Linear,  // [hidden, heads * hd]
-    q_norm: RmsNorm, // [hd]
-    k_norm: RmsNorm, // [hd]
+    qkv_proj: Linear, // q, k, v stacked: [(heads + 2 kv_heads) * hd, hidden]
+    o_proj: Linear,   // [hidden, heads * hd]
+    q_norm: RmsNorm,  // [hd]
+    k_norm: RmsNorm,  // [hd]
     rope: Rope,
     shape: AttnShape,
 }
@@ -99,9 +146,15 @@ impl Attention {
             LayerKind::Sliding => 1.0,
         };
         Ok(Attention {
-            q_proj: Linear::load(w, &format!("{prefix}.q_proj"), h, heads * hd)?,
-            k_proj: Linear::load(w, &format!("{prefix}.k_proj"), h, kvh * hd)?,
-            v_proj: Linear::load(w, &format!("{prefix}.v_proj"), h, kvh * hd)?,
+            qkv_proj: Linear::stacked(
+                w,
+                &[
+                    (&format!("{prefix}.q_proj"), heads * hd),
+                    (&format!("{prefix}.k_proj"), kvh * hd),
+                    (&format!("{prefix}.v_proj"), kvh * hd),
+                ],
+                h,
+            )?,
             o_proj: Linear::load(w, &format!("{prefix}.o_proj"), heads * hd, h)?,
             q_norm: RmsNorm::load(w, &format!("{prefix}.q_norm"), hd, cfg.rms_norm_eps)?,
             k_norm: RmsNorm::load(w, &format!("{prefix}.k_norm"), hd, cfg.rms_norm_eps)?,
@@ -124,15 +177,15 @@ impl Attention {
     /// `x`: `[n, hidden]` (normed); returns `[n, hidden]`.
     pub fn forward(&self, x: &[f32], pos0: usize, kv: &mut LayerKv) -> Vec<f32> {
         let s = self.shape;
-        let mut q = self.q_proj.forward(x); // [n, heads, hd]
-        let mut k = self.k_proj.forward(x); // [n, kv_heads, hd]
-        let v = self.v_proj.forward(x); // [n, kv_heads, hd]
+        let qkv = self.qkv_proj.forward(x);
+        let row = s.kv_heads * s.head_dim;
+        // q: [n, heads, hd]; k, v: [n, kv_heads, hd].
+        let [mut q, mut k, v] = split_columns(&qkv, [s.heads * s.head_dim, row, row]);
         self.q_norm.forward_inplace(&mut q);
         self.k_norm.forward_inplace(&mut k);
         self.rope
             .apply_qk(&mut q, s.heads, &mut k, s.kv_heads, pos0);
 
-        let row = s.kv_heads * s.head_dim;
         let mut attn = vec![0.0; q.len()]; // [n, heads, hd]
         {
             let mut segments = kv.segments(pos0, row);
@@ -146,9 +199,9 @@ impl Attention {
 
 /// Gemma's GeGLU MLP: `down(gelu_tanh(gate(x)) * up(x))`.
 pub struct Mlp {
-    gate_proj: Linear, // [ffn, hidden]
-    up_proj: Linear,   // [ffn, hidden]
-    down_proj: Linear, // [hidden, ffn]
+    gate_up_proj: Linear, // gate, up stacked: [2 ffn, hidden]
+    down_proj: Linear,    // [hidden, ffn]
+    ffn: usize,
 }
 
 impl Mlp {
@@ -156,19 +209,26 @@ impl Mlp {
     pub fn load(cfg: &ModelConfig, w: &Weights, prefix: &str) -> Result<Self> {
         let (h, f) = (cfg.hidden_size, cfg.intermediate_size);
         Ok(Mlp {
-            gate_proj: Linear::load(w, &format!("{prefix}.gate_proj"), h, f)?,
-            up_proj: Linear::load(w, &format!("{prefix}.up_proj"), h, f)?,
+            gate_up_proj: Linear::stacked(
+                w,
+                &[
+                    (&format!("{prefix}.gate_proj"), f),
+                    (&format!("{prefix}.up_proj"), f),
+                ],
+                h,
+            )?,
             down_proj: Linear::load(w, &format!("{prefix}.down_proj"), f, h)?,
+            ffn: f,
         })
     }
 
     /// # Shapes
     /// `x`: `[n, hidden]`; returns `[n, hidden]`.
     pub fn forward(&self, x: &[f32]) -> Vec<f32> {
-        let mut gate = self.gate_proj.forward(x);
-        let up = self.up_proj.forward(x);
-        geglu(&mut gate, &up);
-        self.down_proj.forward(&gate)
+        let gate_up = self.gate_up_proj.forward(x);
+        let mut h = vec![0.0; gate_up.len() / 2];
+        geglu(&mut h, &gate_up, self.ffn);
+        self.down_proj.forward(&h)
     }
 }
 
@@ -214,5 +274,66 @@ impl DecoderLayer {
         let mut m = self.mlp.forward(&h);
         self.post_feedforward_layernorm.forward_inplace(&mut m);
         add_inplace(x, &m);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::matmul_naive;
+    use crate::tiny::uniform;
+
+    /// A stacked layer's row is its weights' outputs side by side, packed (parts that end in
+    /// partial panels included) and through the row-major fallback alike.
+    #[test]
+    fn stacked_linear_matches_its_parts() {
+        let (inp, outs) = (33, [45, 7, 64]);
+        let weights: Vec<Vec<f32>> = (0..3).map(|k| uniform(outs[k] * inp, k as u64)).collect();
+        let parts = || {
+            weights
+                .iter()
+                .zip(outs)
+                .map(|(w, out)| Tensor::owned(w.clone(), vec![out, inp]))
+                .collect::<Vec<_>>()
+        };
+        let packed = Linear::from_parts(parts(), inp);
+        let fallback = Linear {
+            packed: None,
+            ..Linear::from_parts(parts(), inp)
+        };
+        for n in [1, 3, 22] {
+            let x = uniform(n * inp, 9);
+            let want: Vec<Vec<f32>> = weights
+                .iter()
+                .zip(outs)
+                .map(|(w, out)| {
+                    let mut y = vec![0.0; n * out];
+                    matmul_naive(&mut y, &x, w, n, inp, out);
+                    y
+                })
+                .collect();
+            for (name, layer) in [("packed", &packed), ("fallback", &fallback)] {
+                let got = layer.forward(&x);
+                assert_eq!(got.len(), n * outs.iter().sum::<usize>(), "{name}");
+                let split = split_columns(&got, outs);
+                for (k, (got, want)) in split.iter().zip(&want).enumerate() {
+                    let diff = got
+                        .iter()
+                        .zip(want)
+                        .map(|(a, b)| (a - b).abs())
+                        .fold(0.0f32, f32::max);
+                    assert!(diff < 1e-5, "{name}, n {n}, part {k}: {diff}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn split_columns_takes_each_block_of_every_row() {
+        let x: Vec<f32> = (0..12).map(|v| v as f32).collect(); // [2, 6]
+        let [a, b, c] = split_columns(&x, [1, 3, 2]);
+        assert_eq!(a, [0.0, 6.0]);
+        assert_eq!(b, [1.0, 2.0, 3.0, 7.0, 8.0, 9.0]);
+        assert_eq!(c, [4.0, 5.0, 10.0, 11.0]);
     }
 }

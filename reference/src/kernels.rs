@@ -52,10 +52,24 @@ impl PackedWeight {
     /// blocked GEMM's depth): the row-major kernels then serve it.
     pub fn new(w: &[f32], i: usize, o: usize) -> Option<Self> {
         assert_eq!(w.len(), o * i, "PackedWeight: w");
+        Self::stacked(&[w], i)
+    }
+
+    /// The weights `parts` (each `[o_k, i]`, all of depth `i`) packed as one `[sum o_k, i]`:
+    /// one product gives their outputs side by side in each row, as one parallel pass (a
+    /// layer's q, k and v projections, its gate and up). `None` as for [`PackedWeight::new`].
+    pub fn stacked(parts: &[&[f32]], i: usize) -> Option<Self> {
+        for (k, w) in parts.iter().enumerate() {
+            assert!(
+                w.len().is_multiple_of(i),
+                "PackedWeight: part {k} is not whole rows of {i}"
+            );
+        }
         #[cfg(target_arch = "x86_64")]
         if std::arch::is_x86_feature_detected!("avx512f") && i <= blocked::MAX_DEPTH {
-            // SAFETY: the CPU has AVX-512F, `w` holds `o * i` floats, the depth is checked.
-            let panels = unsafe { blocked::Panels::pack(w, i, o) };
+            // SAFETY: the CPU has AVX-512F, each part holds whole rows of `i` floats, the
+            // depth is checked.
+            let panels = unsafe { blocked::Panels::pack(parts, i) };
             return Some(PackedWeight { panels });
         }
         None
@@ -572,18 +586,33 @@ pub fn exp_approx(z: f32) -> f32 {
     }
 }
 
-/// `gate = gelu_tanh(gate) * up`, element-wise (the GeGLU of Gemma's MLP).
-pub fn geglu(gate: &mut [f32], up: &[f32]) {
-    assert_eq!(gate.len(), up.len(), "geglu");
-    gate.par_chunks_mut(4096)
-        .zip(up.par_chunks(4096))
-        .for_each(|(g, u)| {
-            #[cfg(target_arch = "x86_64")]
-            if std::arch::is_x86_feature_detected!("avx512f") {
-                // SAFETY: the CPU has AVX-512F.
-                return unsafe { geglu_avx512(g, u) };
+/// `out = gelu_tanh(gate) * up`, element-wise (the GeGLU of Gemma's MLP), for rows of
+/// `gate_up` that hold a row's gate and then its up (the output of the stacked gate and up
+/// projections).
+///
+/// # Shapes
+/// `out`: `[n, f]`, `gate_up`: `[n, 2 f]`.
+pub fn geglu(out: &mut [f32], gate_up: &[f32], f: usize) {
+    assert_eq!(gate_up.len(), 2 * out.len(), "geglu: gate_up");
+    if f == 0 {
+        return;
+    }
+    assert!(out.len().is_multiple_of(f), "geglu: out is not rows of {f}");
+    // Tasks of at least 4096 outputs: one for a decode step's single row.
+    let rows = 4096usize.div_ceil(f);
+    out.par_chunks_mut(rows * f)
+        .zip(gate_up.par_chunks(rows * 2 * f))
+        .for_each(|(out, gate_up)| {
+            for (out, gate_up) in out.chunks_exact_mut(f).zip(gate_up.chunks_exact(2 * f)) {
+                let (gate, up) = gate_up.split_at(f);
+                #[cfg(target_arch = "x86_64")]
+                if std::arch::is_x86_feature_detected!("avx512f") {
+                    // SAFETY: the CPU has AVX-512F.
+                    unsafe { geglu_avx512(out, gate, up) };
+                    continue;
+                }
+                geglu_plain(out, gate, up)
             }
-            geglu_plain(g, u)
         });
 }
 
@@ -593,14 +622,14 @@ pub fn geglu(gate: &mut [f32], up: &[f32]) {
 /// The CPU must have AVX-512F.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn geglu_avx512(gate: &mut [f32], up: &[f32]) {
-    geglu_plain(gate, up)
+unsafe fn geglu_avx512(out: &mut [f32], gate: &[f32], up: &[f32]) {
+    geglu_plain(out, gate, up)
 }
 
 #[inline(always)]
-fn geglu_plain(gate: &mut [f32], up: &[f32]) {
-    for (g, &u) in gate.iter_mut().zip(up) {
-        *g = gelu_tanh(*g) * u;
+fn geglu_plain(out: &mut [f32], gate: &[f32], up: &[f32]) {
+    for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+        *o = gelu_tanh(g) * u;
     }
 }
 
@@ -778,7 +807,8 @@ pub(crate) mod tests {
 
     /// A packed weight multiplies as the row-major one does: one row (the panel matvec, with
     /// a depth not a multiple of its 4-position steps) and more (the blocked tiles over the
-    /// packed panels), partial panels included. Skipped visibly without AVX-512F.
+    /// packed panels), partial panels included, and weights stacked into one. Skipped visibly
+    /// without AVX-512F.
     #[test]
     fn matmul_packed_matches_naive() {
         let Some(_) = PackedWeight::new(&[0.0], 1, 1) else {
@@ -812,6 +842,22 @@ pub(crate) mod tests {
                 "{n}x{i}x{o}: {}",
                 max_diff(&fast, &slow)
             );
+        }
+        // Stacked weights whose parts end in partial panels: the same product as the weight
+        // of their rows one after another.
+        let (i, parts) = (33, [45, 7, 64]);
+        let w = values(parts.iter().sum::<usize>() * i, 3);
+        let (a, rest) = w.split_at(parts[0] * i);
+        let (b, c) = rest.split_at(parts[1] * i);
+        let packed = PackedWeight::stacked(&[a, b, c], i).expect("packed");
+        assert_eq!(packed.shape(), (116, i));
+        for n in [1, 13] {
+            let x = values(n * i, 4);
+            let mut fast = vec![f32::NAN; n * 116];
+            let mut slow = vec![0.0; n * 116];
+            matmul_packed(&mut fast, &x, &packed, n);
+            matmul_naive(&mut slow, &x, &w, n, i, 116);
+            assert!(max_diff(&fast, &slow) < 1e-5, "stacked, n {n}");
         }
     }
 
@@ -887,8 +933,14 @@ pub(crate) mod tests {
             .map(|v| v * 8.0)
             .collect::<Vec<_>>();
         let up = values(10_000, 9);
-        let mut fast = gate.clone();
-        geglu(&mut fast, &up);
+        // Rows of 2000 gates then 2000 ups: tasks of three rows, the last of two.
+        let gate_up: Vec<f32> = gate
+            .chunks(2000)
+            .zip(up.chunks(2000))
+            .flat_map(|(g, u)| g.iter().chain(u).copied())
+            .collect();
+        let mut fast = vec![f32::NAN; gate.len()];
+        geglu(&mut fast, &gate_up, 2000);
         for ((f, g), u) in fast.iter().zip(&gate).zip(&up) {
             assert_eq!(*f, gelu_tanh(*g) * u);
         }

@@ -11,9 +11,9 @@
 //! 24 accumulators, and one store of the finished tile. `out` is written in place, each task its
 //! own columns.
 //!
-//! A weight packed once at load ([`Panels`], the model's layers) skips the per-call copy, and a
-//! single row runs [`matvec_panels_avx512`] over the same panels: broadcasts of `x` into 32
-//! column sums, each panel streamed once in order.
+//! A weight packed once at load ([`Panels`], the model's layers, several of them stacked into
+//! one product) skips the per-call copy, and a single row runs [`matvec_panels_avx512`] over the
+//! same panels: broadcasts of `x` into 32 column sums, each panel streamed once in order.
 //!
 //! The `gemm` crate this replaces ran AVX2 code on this target (its AVX-512 kernels need a
 //! nightly compiler): half the FMA width. Splitting the depth into L1-sized blocks (128-512
@@ -22,6 +22,7 @@
 
 use rayon::prelude::*;
 use std::arch::x86_64::*;
+use std::ops::Range;
 
 /// Rows of `x` in a register tile (and in a band).
 const MR: usize = 12;
@@ -87,8 +88,8 @@ pub(super) unsafe fn matmul_panels_avx512(out: &mut [f32], x: &[f32], w: &Panels
     let (i, o) = (w.i, w.o);
     let bands = bands(x, n, i);
     let dst = Out(out.as_mut_ptr());
-    (0..o.div_ceil(NR)).into_par_iter().for_each(|panel| {
-        let cols = panel_cols(panel, o);
+    (0..w.cols.len()).into_par_iter().for_each(|panel| {
+        let cols = w.cols[panel].clone();
         // SAFETY: the CPU has AVX-512F (the caller's contract); this task alone writes the
         // columns `cols` of `out`, which holds `n * o` floats; the panel is `[i, NR]`.
         unsafe { panel_avx512(dst, &bands, w.panel(panel), cols, n, i, o) };
@@ -102,13 +103,12 @@ pub(super) unsafe fn matmul_panels_avx512(out: &mut [f32], x: &[f32], w: &Panels
 /// # Safety
 /// The CPU must have AVX-512F; `out` and `x` hold `w.o` and `w.i` floats.
 pub(super) unsafe fn matvec_panels_avx512(out: &mut [f32], x: &[f32], w: &Panels) {
-    let o = w.o;
     let dst = Out(out.as_mut_ptr());
-    (0..o.div_ceil(NR))
+    (0..w.cols.len())
         .into_par_iter()
         .with_min_len(2)
         .for_each(|panel| {
-            let cols = panel_cols(panel, o);
+            let cols = w.cols[panel].clone();
             // SAFETY: the CPU has AVX-512F; this task alone writes `out[cols]`; the panel is
             // `[i, NR]` and `x` holds `i` floats.
             unsafe {
@@ -122,35 +122,58 @@ pub(super) unsafe fn matvec_panels_avx512(out: &mut [f32], x: &[f32], w: &Panels
         });
 }
 
-/// A weight `[o, i]` packed once as [`panel_avx512`] reads it: `o.div_ceil(NR)` panels of
-/// `[i, NR]` (weight row `NR p + j` at lane `j` of panel `p`, zero past the last row), each on
-/// a cache-line boundary.
+/// Weights `[o_k, i]` packed once as [`panel_avx512`] reads them, stacked along the output
+/// (their rows numbered on from one weight to the next, `o` in all): each weight's rows in
+/// panels of `[i, NR]` (row `NR p + j` of the weight at lane `j` of its panel `p`, zero past
+/// its last row), every panel on a cache-line boundary. A panel holds one weight's rows only,
+/// so a weight of fewer than a multiple of [`NR`] rows ends in a partial panel.
 pub struct Panels {
     data: Vec<f32>,
     /// Where the first panel starts in `data` (its 64-byte boundary).
     at: usize,
     i: usize,
     o: usize,
+    /// The output columns of each panel.
+    cols: Vec<Range<usize>>,
 }
 
 impl Panels {
-    /// Packs `w` (`[o, i]`), the panels in parallel.
+    /// Packs the weights `parts` (each `[o_k, i]`), the panels in parallel.
     ///
     /// # Safety
-    /// The CPU must have AVX-512F; `w` holds `o * i` floats and `i <= MAX_DEPTH`.
-    pub(super) unsafe fn pack(w: &[f32], i: usize, o: usize) -> Panels {
-        let len = o.div_ceil(NR) * i * NR;
+    /// The CPU must have AVX-512F; each part holds a whole number of rows of `i` floats and
+    /// `i <= MAX_DEPTH`.
+    pub(super) unsafe fn pack(parts: &[&[f32]], i: usize) -> Panels {
+        // Each panel: its output columns, its weight and the weight's rows in it.
+        let mut panels = Vec::new();
+        let mut o = 0;
+        for (part, w) in parts.iter().enumerate() {
+            let rows = w.len() / i.max(1);
+            for p in 0..rows.div_ceil(NR) {
+                let local = panel_cols(p, rows);
+                panels.push((o + local.start..o + local.end, part, local));
+            }
+            o += rows;
+        }
+        let len = panels.len() * i * NR;
         let mut data = vec![0.0f32; len + LINE];
         let at = data.as_ptr().align_offset(64).min(LINE);
         data[at..at + len]
             .par_chunks_mut((i * NR).max(1))
-            .enumerate()
-            .for_each(|(panel, block)| {
-                let cols = panel_cols(panel, o);
-                // SAFETY: the CPU has AVX-512F; `cols` are rows of `w`; `block` is `[i, NR]`.
-                unsafe { pack_avx512(block, w, cols, i) };
+            .zip(&panels)
+            .for_each(|(block, (_, part, rows))| {
+                // SAFETY: the CPU has AVX-512F; `rows` are rows of `parts[part]`; `block` is
+                // `[i, NR]`.
+                unsafe { pack_avx512(block, parts[*part], rows.clone(), i) };
             });
-        Panels { data, at, i, o }
+        let cols = panels.into_iter().map(|(cols, ..)| cols).collect();
+        Panels {
+            data,
+            at,
+            i,
+            o,
+            cols,
+        }
     }
 
     /// Panel `p` as `[i, NR]`.
@@ -158,14 +181,14 @@ impl Panels {
         &self.data[self.at + p * self.i * NR..][..self.i * NR]
     }
 
-    /// The packed weight's `[out, in]` shape.
+    /// The packed weights' `[out, in]` shape (`out` summed over them).
     pub(super) fn shape(&self) -> (usize, usize) {
         (self.o, self.i)
     }
 }
 
 /// The output columns of panel `panel` of a weight with `o` rows: [`NR`], fewer in the last.
-fn panel_cols(panel: usize, o: usize) -> std::ops::Range<usize> {
+fn panel_cols(panel: usize, o: usize) -> Range<usize> {
     panel * NR..(panel * NR + NR).min(o)
 }
 
@@ -248,7 +271,7 @@ unsafe fn interleave_avx512(band: &mut [f32], rows: &[f32], i: usize) {
 /// The CPU must have AVX-512F; `cols` are rows of `w` (each `i` long), `block` holds `i * NR`
 /// floats, and `i <= MAX_DEPTH`.
 #[target_feature(enable = "avx512f")]
-unsafe fn pack_avx512(block: &mut [f32], w: &[f32], cols: std::ops::Range<usize>, i: usize) {
+unsafe fn pack_avx512(block: &mut [f32], w: &[f32], cols: Range<usize>, i: usize) {
     let [lo, hi] = lane_masks(cols.len());
     let at = _mm512_mullo_epi32(lanes(), _mm512_set1_epi32(i as i32));
     // The second half may start past the end of `w` (a panel of at most 16 rows): its address
@@ -292,7 +315,7 @@ unsafe fn panel_avx512(
     out: Out,
     bands: &[f32],
     block: &[f32],
-    cols: std::ops::Range<usize>,
+    cols: Range<usize>,
     n: usize,
     i: usize,
     o: usize,
