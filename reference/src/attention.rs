@@ -3,7 +3,7 @@
 
 use rayon::prelude::*;
 
-use crate::kernels::{dot, matmul, softmax};
+use crate::kernels::{few_rows, matmul, softmax};
 use crate::kv::KvSegment;
 
 /// Static shape and masking of one layer's attention.
@@ -58,41 +58,101 @@ fn rows_in(seg: &KvSegment, row: usize, lo: usize, hi: usize) -> std::ops::Range
     a..b.max(a)
 }
 
-/// One query per (token, head): dot products with the visible keys, then their value rows
-/// weighted by [`weighted_rows`] (criterion `attention/decode`, against a loop the baseline
-/// target compiles to 4-lane SSE: 57 / 135 -> 46 / 96 us at 512 / 1024 keys).
+/// Keys per task of a decode step's scores (64 KiB of keys at the model's head size).
+const KEY_BLOCK: usize = 64;
+/// Value dimensions per task of a decode step's weighted sums: one AVX-512 tile's width.
+const DIM_STRIP: usize = 64;
+
+/// One query (a decode step) in two parallel passes that each read the visible keys or values
+/// once, however many heads share a KV head: the scores by blocks of [`KEY_BLOCK`] keys, each
+/// block against its KV head's queries in [`few_rows`]' 4 x 4 tiles of dot products; then,
+/// after each head's softmax, the value rows weighted by [`weighted_rows`] in strips of
+/// [`DIM_STRIP`] dimensions (a KV head's queries in one tile). Split by heads instead, each of
+/// two threads read every key and value row for its two of the four heads: over 48 sliding
+/// layers' keys and values from memory (512 keys each, a throwaway loop, five interleaved
+/// runs) 113-141 us a layer that way, 100-110 us this way (docs/BENCHMARKS.md, fifteenth
+/// pass).
 fn attention_vector(out: &mut [f32], q: &[f32], pos0: usize, segments: &[KvSegment], s: AttnShape) {
     let hd = s.head_dim;
     let row = s.kv_heads * hd;
     let group = s.heads / s.kv_heads;
-    out.par_chunks_mut(hd)
-        .zip(q.par_chunks(hd))
+    let lo = s.first_visible(pos0);
+    // Each segment's visible rows and their first column in a row of scores.
+    let mut parts = Vec::new();
+    let mut nk = 0;
+    for seg in segments {
+        let r = rows_in(seg, row, lo, pos0);
+        if !r.is_empty() {
+            nk += r.len();
+            parts.push((seg, r.clone(), nk - r.len()));
+        }
+    }
+
+    // Scores key by key for each KV head ([kv_heads, nk, group]), by blocks of keys in
+    // parallel: each key row met by its KV head's queries in 4 x 4 tiles of dot products.
+    let mut by_key = vec![0.0f32; nk * s.heads];
+    by_key
+        .par_chunks_mut((nk * group).max(1))
         .enumerate()
-        .for_each(|(index, (out, q))| {
-            let (t, h) = (index / s.heads, index % s.heads);
-            let pos = pos0 + t;
-            let lo = s.first_visible(pos);
-            let g = (h / group) * hd;
-            let mut scores = Vec::with_capacity(pos + 1 - lo);
-            for seg in segments {
-                for r in rows_in(seg, row, lo, pos) {
-                    let mut x = dot(q, &seg.k[r * row + g..r * row + g + hd]) * s.scale;
-                    if let Some(cap) = s.softcap {
-                        x = (x / cap).tanh() * cap;
-                    }
-                    scores.push(x);
+        .flat_map(|(kv, head)| {
+            head.par_chunks_mut(KEY_BLOCK * group)
+                .enumerate()
+                .map(move |(b, block)| (kv, b * KEY_BLOCK, block))
+        })
+        .for_each(|(kv, first, block)| {
+            let qs = &q[kv * group * hd..][..group * hd];
+            let keys = first..first + block.len() / group;
+            for (seg, r, col) in &parts {
+                let (a, b) = (keys.start.max(*col), keys.end.min(col + r.len()));
+                if a < b {
+                    let rows = r.start + a - col..r.start + b - col;
+                    let k = head_rows(seg.k, &rows, row, kv * hd, hd);
+                    let t = &mut block[(a - first) * group..(b - first) * group];
+                    few_rows(t, qs, &k, group, hd);
                 }
             }
-            softmax(&mut scores);
-            out.fill(0.0);
-            let mut col = 0;
-            for seg in segments {
-                let r = rows_in(seg, row, lo, pos);
-                let values = head_rows(seg.v, &r, row, g, hd);
-                weighted_rows(out, &scores, scores.len(), col, &values, 1, hd);
-                col += r.len();
+            for x in block.iter_mut() {
+                *x *= s.scale;
+                if let Some(cap) = s.softcap {
+                    *x = (*x / cap).tanh() * cap;
+                }
             }
         });
+    // Head by head ([heads, nk]) for the softmax and the weighted sums.
+    let mut scores = vec![0.0f32; s.heads * nk];
+    for (kv, head) in by_key.chunks_exact((nk * group).max(1)).enumerate() {
+        for (j, cells) in head.chunks_exact(group).enumerate() {
+            for (t, &x) in cells.iter().enumerate() {
+                scores[(kv * group + t) * nk + j] = x;
+            }
+        }
+    }
+    for srow in scores.chunks_exact_mut(nk.max(1)) {
+        softmax(srow);
+    }
+
+    // Weighted value rows by (KV head, strip of dimensions), in parallel.
+    let strips = hd.div_ceil(DIM_STRIP);
+    let sums: Vec<(usize, std::ops::Range<usize>, Vec<f32>)> = (0..s.kv_heads * strips)
+        .into_par_iter()
+        .map(|task| {
+            let (kv, strip) = (task / strips, task % strips);
+            let dims = strip * DIM_STRIP..(strip * DIM_STRIP + DIM_STRIP).min(hd);
+            let h0 = kv * group;
+            let p = &scores[h0 * nk..(h0 + group) * nk];
+            let mut o = vec![0.0f32; group * dims.len()];
+            for (seg, r, col) in &parts {
+                let values = head_rows(seg.v, r, row, kv * hd, hd);
+                weighted_rows(&mut o, p, nk, *col, &values, group, hd, dims.clone());
+            }
+            (h0, dims, o)
+        })
+        .collect();
+    for (h0, dims, o) in sums {
+        for (h, o) in o.chunks_exact(dims.len()).enumerate() {
+            out[(h0 + h) * hd + dims.start..][..dims.len()].copy_from_slice(o);
+        }
+    }
 }
 
 /// Blocks of queries per head: `S = Q K^T` and `O = P V` over the key range the block can see,
@@ -180,7 +240,7 @@ fn attention_blocked(
             let mut col = 0;
             for (seg, r) in &parts {
                 let values = head_rows(seg.v, r, row, g, hd);
-                weighted_rows(&mut o, &scores, nk, col, &values, bq, hd);
+                weighted_rows(&mut o, &scores, nk, col, &values, bq, hd, 0..hd);
                 col += r.len();
             }
             (t0, h, o)
@@ -214,43 +274,57 @@ fn head_rows<'a>(
     )
 }
 
-/// `o[t] += sum_j p[t, col + j] v[j]` for the `bq` rows of `o` (`[bq, hd]`), `p` with rows of
-/// `nk`, `v` the `[len, hd]` value rows.
+/// `o[t] += sum_j p[t, col + j] v[j, dims]` for the `bq` rows of `o` (`[bq, dims.len()]`),
+/// `p` with rows of `nk`, `v` the `[len, hd]` value rows.
 ///
-/// Where the CPU has AVX-512F and `hd` is a multiple of 64: tiles of four queries by 64
-/// dimensions, each value row loaded once per tile and met by four broadcast weights (16
-/// accumulators).
-fn weighted_rows(o: &mut [f32], p: &[f32], nk: usize, col: usize, v: &[f32], bq: usize, hd: usize) {
+/// Where the CPU has AVX-512F and `dims` starts and ends on multiples of 64: tiles of four
+/// queries by 64 dimensions, each value row's strip loaded once per tile and met by four
+/// broadcast weights (16 accumulators).
+#[allow(clippy::too_many_arguments)]
+fn weighted_rows(
+    o: &mut [f32],
+    p: &[f32],
+    nk: usize,
+    col: usize,
+    v: &[f32],
+    bq: usize,
+    hd: usize,
+    dims: std::ops::Range<usize>,
+) {
     let len = v.len() / hd;
+    let width = dims.len();
     assert!(
-        o.len() == bq * hd && v.len() == len * hd,
-        "weighted_rows: o or v"
+        o.len() == bq * width && v.len() == len * hd && dims.end <= hd,
+        "weighted_rows: o, v or dims"
     );
     assert!(
         col + len <= nk && (bq == 0 || (bq - 1) * nk + col + len <= p.len()),
         "weighted_rows: p"
     );
     #[cfg(target_arch = "x86_64")]
-    if hd.is_multiple_of(64) && std::arch::is_x86_feature_detected!("avx512f") {
+    if dims.start.is_multiple_of(64)
+        && width.is_multiple_of(64)
+        && std::arch::is_x86_feature_detected!("avx512f")
+    {
         // SAFETY: the CPU has AVX-512F; the shapes were checked above.
-        unsafe { weighted_rows_avx512(o, p, nk, col, v, bq, hd, len) };
+        unsafe { weighted_rows_avx512(o, p, nk, col, &v[dims.start..], bq, hd, len, width) };
         return;
     }
-    for (t, o) in o.chunks_exact_mut(hd).enumerate() {
+    for (t, o) in o.chunks_exact_mut(width).enumerate() {
         for (j, v) in v.chunks_exact(hd).enumerate() {
             let w = p[t * nk + col + j];
-            for (o, &v) in o.iter_mut().zip(v) {
+            for (o, &v) in o.iter_mut().zip(&v[dims.clone()]) {
                 *o += w * v;
             }
         }
     }
 }
 
-/// [`weighted_rows`] with AVX-512F tiles.
+/// [`weighted_rows`] with AVX-512F tiles, over the first `width` dimensions of `v`.
 ///
 /// # Safety
-/// The CPU must have AVX-512F; `hd % 64 == 0`, `o` is `[bq, hd]`, `p` `[bq, nk]` with `col +
-/// len <= nk`, `v` `[len, hd]`.
+/// The CPU must have AVX-512F; `width % 64 == 0`, `o` is `[bq, width]`, `p` `[bq, nk]` with
+/// `col + len <= nk`, `v` `len` rows of stride `hd` with `width` floats each.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 #[allow(clippy::too_many_arguments)]
@@ -263,32 +337,35 @@ unsafe fn weighted_rows_avx512(
     bq: usize,
     hd: usize,
     len: usize,
+    width: usize,
 ) {
     let mut t = 0;
     while t < bq {
         let rows = (bq - t).min(4);
-        for d in (0..hd).step_by(64) {
+        for d in (0..width).step_by(64) {
             let (op, pp, vp) = (
-                o.as_mut_ptr().add(t * hd + d),
+                o.as_mut_ptr().add(t * width + d),
                 p.as_ptr().add(t * nk + col),
                 v.as_ptr().add(d),
             );
+            let strides = [width, hd];
             match rows {
-                4 => weighted_tile::<4>(op, pp, vp, nk, hd, len),
-                3 => weighted_tile::<3>(op, pp, vp, nk, hd, len),
-                2 => weighted_tile::<2>(op, pp, vp, nk, hd, len),
-                _ => weighted_tile::<1>(op, pp, vp, nk, hd, len),
+                4 => weighted_tile::<4>(op, pp, vp, nk, strides, len),
+                3 => weighted_tile::<3>(op, pp, vp, nk, strides, len),
+                2 => weighted_tile::<2>(op, pp, vp, nk, strides, len),
+                _ => weighted_tile::<1>(op, pp, vp, nk, strides, len),
             }
         }
         t += rows;
     }
 }
 
-/// `T` rows of `o` by 64 dimensions: `o[t, 0..64] += sum_j p[t, j] v[j, 0..64]`.
+/// `T` rows of `o` by 64 dimensions: `o[t, 0..64] += sum_j p[t, j] v[j, 0..64]`, the rows of
+/// `o` and `v` `strides` apart.
 ///
 /// # Safety
-/// The CPU must have AVX-512F; `o` addresses `T` rows of stride `hd` with 64 floats each, `p`
-/// `T` rows of stride `nk` with `len` weights, `v` `len` rows of stride `hd` with 64 floats.
+/// The CPU must have AVX-512F; `o` addresses `T` rows with 64 floats each, `p` `T` rows of
+/// stride `nk` with `len` weights, `v` `len` rows with 64 floats.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 #[inline]
@@ -297,14 +374,19 @@ unsafe fn weighted_tile<const T: usize>(
     p: *const f32,
     v: *const f32,
     nk: usize,
-    hd: usize,
+    [os, vs]: [usize; 2],
     len: usize,
 ) {
     use std::arch::x86_64::*;
     let mut acc: [[__m512; 4]; T] =
-        std::array::from_fn(|t| std::array::from_fn(|c| _mm512_loadu_ps(o.add(t * hd + 16 * c))));
+        std::array::from_fn(|t| std::array::from_fn(|c| _mm512_loadu_ps(o.add(t * os + 16 * c))));
     for j in 0..len {
-        let vv: [__m512; 4] = std::array::from_fn(|c| _mm512_loadu_ps(v.add(j * hd + 16 * c)));
+        // The strip of the row 8 ahead (from memory in a decode step; never faults).
+        let ahead = v.wrapping_add((j + 8) * vs);
+        for line in 0..4 {
+            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(16 * line).cast());
+        }
+        let vv: [__m512; 4] = std::array::from_fn(|c| _mm512_loadu_ps(v.add(j * vs + 16 * c)));
         for (t, acc) in acc.iter_mut().enumerate() {
             let w = _mm512_set1_ps(*p.add(t * nk + j));
             for (acc, vv) in acc.iter_mut().zip(&vv) {
@@ -314,7 +396,7 @@ unsafe fn weighted_tile<const T: usize>(
     }
     for (t, acc) in acc.iter().enumerate() {
         for (c, acc) in acc.iter().enumerate() {
-            _mm512_storeu_ps(o.add(t * hd + 16 * c), *acc);
+            _mm512_storeu_ps(o.add(t * os + 16 * c), *acc);
         }
     }
 }
@@ -458,6 +540,30 @@ mod tests {
                 softcap: None,
             };
             assert_chunked_matches_naive(s, &[3, 37, 1, 39], 7);
+        }
+    }
+
+    /// Decode steps over more keys than a block of the scores' pass, from a ring that has
+    /// wrapped (two segments) and a full cache, three heads to a KV head, soft-capped: the
+    /// naive outputs, whatever the pool's size.
+    #[test]
+    fn decode_over_blocks_and_segments_matches_naive() {
+        for window in [None, Some(100)] {
+            let s = AttnShape {
+                heads: 6,
+                kv_heads: 2,
+                head_dim: 64,
+                window,
+                scale: 0.125,
+                softcap: Some(2.0),
+            };
+            for threads in [1, 2, 3] {
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads)
+                    .build()
+                    .expect("a pool");
+                pool.install(|| assert_chunked_matches_naive(s, &[1, 70, 1, 1, 60, 1], 11));
+            }
         }
     }
 

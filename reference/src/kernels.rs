@@ -177,23 +177,35 @@ pub fn matmul_few(out: &mut [f32], x: &[f32], w: &[f32], n: usize, i: usize, o: 
     let mut t = vec![0.0f32; o * n]; // [o, n]
     t.par_chunks_mut(ROWS * n)
         .zip(w.par_chunks(ROWS * i))
-        .for_each(|(t, w)| {
-            #[cfg(target_arch = "x86_64")]
-            if std::arch::is_x86_feature_detected!("avx512f") {
-                // SAFETY: the CPU has AVX-512F; `t` is `[rows, n]` for the `[rows, i]` block
-                // `w`, and `x` is `[n, i]`.
-                unsafe { few_rows_avx512(t, x, w, n, i) };
-                return;
-            }
-            for (t, row) in t.chunks_exact_mut(n).zip(w.chunks_exact(i)) {
-                for (t, xr) in t.iter_mut().zip(x.chunks_exact(i)) {
-                    *t = dot_plain(row, xr);
-                }
-            }
-        });
+        .for_each(|(t, w)| few_rows(t, x, w, n, i));
     for (r, out) in out.chunks_exact_mut(o).enumerate() {
         for (c, out) in out.iter_mut().enumerate() {
             *out = t[c * n + r];
+        }
+    }
+}
+
+/// `t[r, c] = w[r] . x[c]` on the calling thread: [`matmul_few`]'s transposed product for
+/// one block of weight rows, by its tiles where the CPU has AVX-512F. The attention's decode
+/// step scores blocks of keys (`w`) against a KV head's queries (`x`) with it.
+///
+/// # Shapes
+/// `t`: `[rows, n]`, `x`: `[n, i]`, `w`: `[rows, i]`.
+pub fn few_rows(t: &mut [f32], x: &[f32], w: &[f32], n: usize, i: usize) {
+    assert!(
+        x.len() == n * i && w.len().is_multiple_of(i.max(1)) && t.len() * i == w.len() * n,
+        "few_rows: shapes"
+    );
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f") && i > 0 {
+        // SAFETY: the CPU has AVX-512F; `t` is `[rows, n]` for the `[rows, i]` block `w`, and
+        // `x` is `[n, i]` (asserted above).
+        unsafe { few_rows_avx512(t, x, w, n, i) };
+        return;
+    }
+    for (t, row) in t.chunks_exact_mut(n.max(1)).zip(w.chunks_exact(i.max(1))) {
+        for (t, xr) in t.iter_mut().zip(x.chunks_exact(i.max(1))) {
+            *t = dot_plain(row, xr);
         }
     }
 }
