@@ -302,10 +302,7 @@ fn weighted_rows(
         "weighted_rows: p"
     );
     #[cfg(target_arch = "x86_64")]
-    if dims.start.is_multiple_of(64)
-        && width.is_multiple_of(64)
-        && std::arch::is_x86_feature_detected!("avx512f")
-    {
+    if dims.start.is_multiple_of(64) && width.is_multiple_of(64) && crate::kernels::avx512f() {
         // SAFETY: the CPU has AVX-512F; the shapes were checked above.
         unsafe { weighted_rows_avx512(o, p, nk, col, &v[dims.start..], bq, hd, len, width) };
         return;

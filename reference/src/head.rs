@@ -233,7 +233,7 @@ impl Screen {
     /// 2 lanes in the baseline build; 0.26 ms of a decode step, 1.1% of its samples, before).
     fn block(&self, head: &TiedHead, range: std::ops::Range<usize>) -> (f64, Vec<usize>) {
         #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx512f") {
+        if crate::kernels::avx512f() {
             // SAFETY: the CPU has AVX-512F.
             return unsafe { self.block_avx512(head, range) };
         }

@@ -6,6 +6,29 @@ use rayon::prelude::*;
 #[cfg(target_arch = "x86_64")]
 mod blocked;
 
+/// The environment variable that keeps the AVX-512 kernels off: set (to anything but `0`), the
+/// reference runs the portable kernels a CPU without AVX-512F runs (an ARM phone's among
+/// them), so that the suite can test them on a machine that has it. Read once per process.
+pub const PORTABLE_KERNELS_ENV: &str = "KVSNAP_PORTABLE_KERNELS";
+
+/// Whether [`PORTABLE_KERNELS_ENV`] asks for the portable kernels.
+pub fn portable_kernels() -> bool {
+    static PORTABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *PORTABLE.get_or_init(|| std::env::var_os(PORTABLE_KERNELS_ENV).is_some_and(|v| v != "0"))
+}
+
+/// Whether the AVX-512F kernels run: the CPU has AVX-512F and [`portable_kernels`] is off.
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn avx512f() -> bool {
+    !portable_kernels() && std::arch::is_x86_feature_detected!("avx512f")
+}
+
+/// Whether the AVX-512BW kernels run: as [`avx512f`], with AVX-512BW too.
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn avx512bw() -> bool {
+    avx512f() && std::arch::is_x86_feature_detected!("avx512bw")
+}
+
 /// `out[n, o] = x[n, i] . w[o, i]^T`: a batch of rows times an HF `[out, in]` weight.
 ///
 /// One row is [`matvec`], up to [`FEW_ROWS`] rows [`matmul_few`]; more rows (a prefill) run a
@@ -28,7 +51,7 @@ pub fn matmul(out: &mut [f32], x: &[f32], w: &[f32], n: usize, i: usize, o: usiz
         return matmul_few(out, x, w, n, i, o);
     }
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx512f") && i <= blocked::MAX_DEPTH {
+    if avx512f() && i <= blocked::MAX_DEPTH {
         // SAFETY: the CPU has AVX-512F, the lengths are asserted above, the depth checked.
         return unsafe { blocked::matmul_avx512(out, x, w, n, i, o) };
     }
@@ -66,7 +89,7 @@ impl PackedWeight {
             );
         }
         #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx512f") && i <= blocked::MAX_DEPTH {
+        if avx512f() && i <= blocked::MAX_DEPTH {
             // SAFETY: the CPU has AVX-512F, each part holds whole rows of `i` floats, the
             // depth is checked.
             let panels = unsafe { blocked::Panels::pack(parts, i) };
@@ -93,18 +116,13 @@ pub fn matmul_packed(out: &mut [f32], x: &[f32], w: &PackedWeight, n: usize) {
     let (o, i) = w.shape();
     assert_eq!(out.len(), n * o, "matmul_packed: out");
     assert_eq!(x.len(), n * i, "matmul_packed: x");
-    if n == 0 || o == 0 {
-        return;
-    }
+    // SAFETY: a `PackedWeight` exists only where the CPU has AVX-512F; the lengths are
+    // asserted above.
     #[cfg(target_arch = "x86_64")]
-    {
-        // SAFETY: a `PackedWeight` exists only where the CPU has AVX-512F; the lengths are
-        // asserted above.
-        if n == 1 {
-            unsafe { blocked::matvec_panels_avx512(out, x, &w.panels) };
-        } else {
-            unsafe { blocked::matmul_panels_avx512(out, x, &w.panels, n) };
-        }
+    match n {
+        0 => {}
+        1 => unsafe { blocked::matvec_panels_avx512(out, x, &w.panels) },
+        _ => unsafe { blocked::matmul_panels_avx512(out, x, &w.panels, n) },
     }
 }
 
@@ -156,6 +174,7 @@ pub fn matmul_gemm_crate(out: &mut [f32], x: &[f32], w: &[f32], n: usize, i: usi
 pub const FEW_ROWS: usize = 64;
 
 /// How many groups of four weight rows ahead [`matmul_few`] prefetches.
+#[cfg(target_arch = "x86_64")]
 const FEW_AHEAD_GROUPS: usize = 2;
 
 /// `out[n, o] = x[n, i] . w[o, i]^T` for a few rows, weight-stationary like [`matvec`]: each
@@ -197,7 +216,7 @@ pub fn few_rows(t: &mut [f32], x: &[f32], w: &[f32], n: usize, i: usize) {
         "few_rows: shapes"
     );
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx512f") && i > 0 {
+    if avx512f() && i > 0 {
         // SAFETY: the CPU has AVX-512F; `t` is `[rows, n]` for the `[rows, i]` block `w`, and
         // `x` is `[n, i]` (asserted above).
         unsafe { few_rows_avx512(t, x, w, n, i) };
@@ -311,7 +330,7 @@ pub fn matvec(out: &mut [f32], x: &[f32], w: &[f32], i: usize, o: usize) {
         .zip(w.par_chunks(ROWS * i))
         .for_each(|(out, w)| {
             #[cfg(target_arch = "x86_64")]
-            if std::arch::is_x86_feature_detected!("avx512f") {
+            if avx512f() {
                 for (o, row) in out.iter_mut().zip(w.chunks_exact(i)) {
                     // SAFETY: the CPU has AVX-512F.
                     *o = unsafe { dot_avx512::<STREAM_AHEAD>(row, x) };
@@ -352,7 +371,7 @@ pub fn matvec_q8_i16(out: &mut [i32], x: &[i16], q: &[i8], i: usize, o: usize) {
         .zip(q.par_chunks(ROWS * i))
         .for_each(|(out, q)| {
             #[cfg(target_arch = "x86_64")]
-            if std::arch::is_x86_feature_detected!("avx512bw") {
+            if avx512bw() {
                 for (o, row) in out.iter_mut().zip(q.chunks_exact(i)) {
                     // SAFETY: the CPU has AVX-512F and BW; `row` and `x` hold `i` elements.
                     *o = unsafe { dot_q8_i16_avx512(row, x) };
@@ -415,6 +434,7 @@ pub fn matvec_q8_i16_naive(out: &mut [i32], x: &[i16], q: &[i8], i: usize, o: us
 /// How far ahead of its loads [`matvec`]'s dot prefetches the weights, in bytes. The hardware
 /// prefetchers stop at 4 KiB page boundaries; prefetching two pages ahead kept the stream going
 /// (the real head and layers: 23-24 -> 25-26 GB/s on 2 cores of an Ice Lake server).
+#[cfg(target_arch = "x86_64")]
 const STREAM_AHEAD: usize = 8192;
 
 /// Naive oracle of [`matmul`] with f64 accumulation.
@@ -441,7 +461,7 @@ pub fn matmul_naive(out: &mut [f32], x: &[f32], w: &[f32], n: usize, i: usize, o
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     debug_assert_eq!(a.len(), b.len());
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx512f") {
+    if avx512f() {
         // SAFETY: the CPU has AVX-512F.
         return unsafe { dot_avx512::<0>(a, b) };
     }
@@ -618,7 +638,7 @@ pub fn geglu(out: &mut [f32], gate_up: &[f32], f: usize) {
             for (out, gate_up) in out.chunks_exact_mut(f).zip(gate_up.chunks_exact(2 * f)) {
                 let (gate, up) = gate_up.split_at(f);
                 #[cfg(target_arch = "x86_64")]
-                if std::arch::is_x86_feature_detected!("avx512f") {
+                if avx512f() {
                     // SAFETY: the CPU has AVX-512F.
                     unsafe { geglu_avx512(out, gate, up) };
                     continue;
@@ -663,7 +683,7 @@ pub fn gather_rows(table: &[f32], width: usize, ids: &[u32]) -> Vec<f32> {
 /// (16 lanes where the CPU has AVX-512F).
 pub fn softmax(x: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx512f") {
+    if avx512f() {
         // SAFETY: the CPU has AVX-512F.
         return unsafe { softmax_avx512(x) };
     }
@@ -819,12 +839,21 @@ pub(crate) mod tests {
 
     /// A packed weight multiplies as the row-major one does: one row (the panel matvec, with
     /// a depth not a multiple of its 4-position steps) and more (the blocked tiles over the
-    /// packed panels), partial panels included, and weights stacked into one. Skipped visibly
-    /// without AVX-512F.
+    /// packed panels), partial panels included, and weights stacked into one. Where the
+    /// AVX-512F kernels do not run, nothing is packed (asserted) and the rest is skipped.
     #[test]
     fn matmul_packed_matches_naive() {
         let Some(_) = PackedWeight::new(&[0.0], 1, 1) else {
-            eprintln!("SKIPPED: the CPU has no AVX-512F (weights are not packed)");
+            // Packing is for the AVX-512 kernels only: without them every layer keeps the
+            // row-major kernels the other tests cover.
+            #[cfg(target_arch = "x86_64")]
+            assert!(
+                !avx512f(),
+                "the AVX-512 kernels run, yet nothing was packed"
+            );
+            eprintln!(
+                "SKIPPED: weights are not packed (no AVX-512F, or {PORTABLE_KERNELS_ENV} is set)"
+            );
             return;
         };
         for &(n, i, o) in &[

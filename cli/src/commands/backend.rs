@@ -49,6 +49,17 @@ impl FromStr for Backend {
     }
 }
 
+/// Says on stderr when the reference runs its portable kernels
+/// ([`kvsnap_reference::kernels::PORTABLE_KERNELS_ENV`]), before it loads.
+pub fn note_reference_kernels() {
+    if kvsnap_reference::kernels::portable_kernels() {
+        eprintln!(
+            "reference: the portable kernels ({} is set; no AVX-512)",
+            kvsnap_reference::kernels::PORTABLE_KERNELS_ENV
+        );
+    }
+}
+
 /// IREE load options for `backend` (compile progress on stderr; the compiled module from
 /// `KVSNAP_MODULE_DIR`, a `kvsnap export` directory, when set).
 pub fn iree_options(backend: Backend) -> anyhow::Result<kvsnap_iree::IreeOptions> {
@@ -91,6 +102,7 @@ macro_rules! with_model {
         let backend = $backend;
         match backend {
             $crate::commands::backend::Backend::Reference => {
+                $crate::commands::backend::note_reference_kernels();
                 let model = kvsnap_reference::ReferenceModel::load($dir)?;
                 let $m = &model;
                 $body

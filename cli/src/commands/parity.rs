@@ -112,6 +112,7 @@ fn longest(cases: &[&Case]) -> usize {
 /// Loads the reference model with room for the longest selected case.
 fn load_reference(dir: &Path, cases: &[&Case]) -> anyhow::Result<ReferenceModel> {
     let longest = longest(cases);
+    super::backend::note_reference_kernels();
     let model = if longest > DEFAULT_CONTEXT_CAPACITY {
         ReferenceModel::load_with_capacity(dir, longest)
     } else {
