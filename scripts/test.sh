@@ -44,6 +44,10 @@ echo "== the reference's portable kernels (what CPUs without AVX-512F run: ARM p
 KVSNAP_PORTABLE_KERNELS=1 cargo test --release -p kvsnap-reference
 KVSNAP_PORTABLE_KERNELS=1 "$KVSNAP" parity --model models/gemma-3-270m --goldens "$REAL_GOLDENS" \
     --backend reference
+echo "== JNI: the reference-only library (no IREE feature), its lints and Rust tests"
+cargo clippy --release -p kvsnap-jni --no-default-features --all-targets -- -D warnings
+cargo test --release -p kvsnap-jni --no-default-features
+
 echo "== JNI: the Java API and test against the built cdylib"
 bash scripts/test-jni.sh
 echo "test.sh: all passed"

@@ -5,7 +5,9 @@ use std::sync::{Arc, LazyLock};
 
 use kvsnap_contract::handles::reason;
 use kvsnap_contract::{DynModel, Error, HandleTable, Result, Session};
+#[cfg(feature = "iree")]
 use kvsnap_iree::compile::Target;
+#[cfg(feature = "iree")]
 use kvsnap_iree::{IreeModel, IreeOptions};
 use kvsnap_reference::ReferenceModel;
 
@@ -80,6 +82,7 @@ pub fn open(opts: OpenOptions<'_>) -> BridgeResult<OpenModel> {
                 embedding_rows: Some(Box::new(move |ids| gather.embedding_rows(ids))),
             })
         }
+        #[cfg(feature = "iree")]
         "iree-cpu" | "iree-vulkan" => {
             let model = Arc::new(IreeModel::load(opts.model_dir, &iree_options(opts)?)?);
             let gather = Arc::clone(&model);
@@ -88,6 +91,14 @@ pub fn open(opts: OpenOptions<'_>) -> BridgeResult<OpenModel> {
                 embedding_rows: Some(Box::new(move |ids| gather.embedding_rows(ids))),
             })
         }
+        #[cfg(not(feature = "iree"))]
+        backend @ ("iree-cpu" | "iree-vulkan") => Err(BridgeError::BadArgument {
+            op,
+            problem: format!(
+                "backend `{backend}` is not built into this library (kvsnap-jni was built \
+                 without its `iree` feature; built: reference)"
+            ),
+        }),
         other => Err(BridgeError::BadArgument {
             op,
             problem: format!("unknown backend `{other}` (known: {})", BACKENDS.join(", ")),
@@ -95,6 +106,7 @@ pub fn open(opts: OpenOptions<'_>) -> BridgeResult<OpenModel> {
     }
 }
 
+#[cfg(feature = "iree")]
 /// The IREE options of `opts`: its module dir, and the Vulkan device ordinal (`device` is a
 /// non-negative integer; the CPU takes none, or `cpu`).
 fn iree_options(opts: OpenOptions<'_>) -> BridgeResult<IreeOptions> {
@@ -226,6 +238,44 @@ mod tests {
             ..reference(dir)
         })
         .contains("unknown backend `cuda` (known: reference, iree-cpu, iree-vulkan)"));
+        assert!(err(OpenOptions {
+            module_dir: Some(Path::new("/m")),
+            ..reference(dir)
+        })
+        .contains("takes no module dir"));
+        assert!(matches!(
+            open(reference(dir)),
+            Err(BridgeError::Kv(Error::Io { .. }))
+        ));
+    }
+
+    /// Without the `iree` feature, the IREE backends are refused by name, as arguments.
+    #[cfg(not(feature = "iree"))]
+    #[test]
+    fn iree_backends_not_built_are_refused_by_name() {
+        let dir = Path::new("/nonexistent");
+        for backend in ["iree-cpu", "iree-vulkan"] {
+            let e = open(OpenOptions {
+                backend,
+                ..reference(dir)
+            })
+            .err()
+            .expect("a backend not built must fail");
+            assert!(matches!(e, BridgeError::BadArgument { .. }), "{e:?}");
+            assert!(
+                e.to_string().contains(&format!(
+                    "backend `{backend}` is not built into this library"
+                )),
+                "{e}"
+            );
+        }
+    }
+
+    #[cfg(feature = "iree")]
+    #[test]
+    fn iree_backend_options_are_checked() {
+        let dir = Path::new("/nonexistent");
+        let err = |opts| open(opts).err().expect("open must fail").to_string();
         for device in ["-1", "gpu0", "1.5"] {
             let e = open(OpenOptions {
                 backend: "iree-vulkan",
@@ -248,14 +298,5 @@ mod tests {
             ..reference(dir)
         })
         .contains("the iree-cpu backend runs on `cpu`, not `0`"));
-        assert!(err(OpenOptions {
-            module_dir: Some(Path::new("/m")),
-            ..reference(dir)
-        })
-        .contains("takes no module dir"));
-        assert!(matches!(
-            open(reference(dir)),
-            Err(BridgeError::Kv(Error::Io { .. }))
-        ));
     }
 }
