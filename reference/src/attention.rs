@@ -58,6 +58,41 @@ fn rows_in(seg: &KvSegment, row: usize, lo: usize, hi: usize) -> std::ops::Range
     a..b.max(a)
 }
 
+/// A segment's rows that some query of a block sees, and the column of the first of them in
+/// a row of scores (the segments' visible rows numbered on from one segment to the next).
+struct Visible<'s, 'a> {
+    seg: &'s KvSegment<'a>,
+    rows: std::ops::Range<usize>,
+    col: usize,
+}
+
+impl Visible<'_, '_> {
+    /// The value rows, whole (`[rows.len(), row]`).
+    fn values(&self, row: usize) -> &[f32] {
+        &self.seg.v[self.rows.start * row..self.rows.end * row]
+    }
+}
+
+/// The segments' non-empty runs of rows at positions `lo..=hi`, and how many rows they hold.
+fn visible<'s, 'a>(
+    segments: &'s [KvSegment<'a>],
+    row: usize,
+    lo: usize,
+    hi: usize,
+) -> (Vec<Visible<'s, 'a>>, usize) {
+    let mut parts = Vec::new();
+    let mut nk = 0;
+    for seg in segments {
+        let rows = rows_in(seg, row, lo, hi);
+        if !rows.is_empty() {
+            let col = nk;
+            nk += rows.len();
+            parts.push(Visible { seg, rows, col });
+        }
+    }
+    (parts, nk)
+}
+
 /// Keys per task of a decode step's scores (64 KiB of keys at the model's head size).
 const KEY_BLOCK: usize = 64;
 /// Value dimensions per task of a decode step's weighted sums: one AVX-512 tile's width.
@@ -76,17 +111,7 @@ fn attention_vector(out: &mut [f32], q: &[f32], pos0: usize, segments: &[KvSegme
     let hd = s.head_dim;
     let row = s.kv_heads * hd;
     let group = s.heads / s.kv_heads;
-    let lo = s.first_visible(pos0);
-    // Each segment's visible rows and their first column in a row of scores.
-    let mut parts = Vec::new();
-    let mut nk = 0;
-    for seg in segments {
-        let r = rows_in(seg, row, lo, pos0);
-        if !r.is_empty() {
-            nk += r.len();
-            parts.push((seg, r.clone(), nk - r.len()));
-        }
-    }
+    let (parts, nk) = visible(segments, row, s.first_visible(pos0), pos0);
 
     // Scores key by key for each KV head ([kv_heads, nk, group]), by blocks of keys in
     // parallel: each key row met by its KV head's queries in 4 x 4 tiles of dot products.
@@ -102,11 +127,12 @@ fn attention_vector(out: &mut [f32], q: &[f32], pos0: usize, segments: &[KvSegme
         .for_each(|(kv, first, block)| {
             let qs = &q[kv * group * hd..][..group * hd];
             let keys = first..first + block.len() / group;
-            for (seg, r, col) in &parts {
-                let (a, b) = (keys.start.max(*col), keys.end.min(col + r.len()));
+            for part in &parts {
+                let (r, col) = (&part.rows, part.col);
+                let (a, b) = (keys.start.max(col), keys.end.min(col + r.len()));
                 if a < b {
                     let rows = r.start + a - col..r.start + b - col;
-                    let k = head_rows(seg.k, &rows, row, kv * hd, hd);
+                    let k = head_rows(part.seg.k, &rows, row, kv * hd, hd);
                     let t = &mut block[(a - first) * group..(b - first) * group];
                     few_rows(t, qs, &k, group, hd);
                 }
@@ -141,9 +167,11 @@ fn attention_vector(out: &mut [f32], q: &[f32], pos0: usize, segments: &[KvSegme
             let h0 = kv * group;
             let p = &scores[h0 * nk..(h0 + group) * nk];
             let mut o = vec![0.0f32; group * dims.len()];
-            for (seg, r, col) in &parts {
-                let values = head_rows(seg.v, r, row, kv * hd, hd);
-                weighted_rows(&mut o, p, nk, *col, &values, group, hd, dims.clone());
+            // The KV head's columns of the value rows, read in place.
+            let cols = kv * hd + dims.start..kv * hd + dims.end;
+            for part in &parts {
+                let v = part.values(row);
+                weighted_rows(&mut o, p, nk, part.col, v, group, row, cols.clone());
             }
             (h0, dims, o)
         })
@@ -186,13 +214,7 @@ fn attention_blocked(
             let bq = QUERY_BLOCK.min(n - t0);
             let g = (h / group) * hd;
             let (first_q, last_q) = (pos0 + t0, pos0 + t0 + bq - 1);
-            let lo = s.first_visible(first_q);
-            let parts: Vec<(&KvSegment, std::ops::Range<usize>)> = segments
-                .iter()
-                .map(|seg| (seg, rows_in(seg, row, lo, last_q)))
-                .filter(|(_, r)| !r.is_empty())
-                .collect();
-            let nk: usize = parts.iter().map(|(_, r)| r.len()).sum();
+            let (parts, nk) = visible(segments, row, s.first_visible(first_q), last_q);
 
             // S[bq, nk] = Q[t0.., h] . K^T, a part's columns at a time.
             let qb: Vec<f32> = (0..bq)
@@ -200,16 +222,15 @@ fn attention_blocked(
                 .copied()
                 .collect();
             let mut scores = vec![0.0f32; bq * nk];
-            let mut part = Vec::new();
-            let mut col = 0;
-            for (seg, r) in &parts {
-                let keys = head_rows(seg.k, r, row, g, hd);
-                part.resize(bq * r.len(), 0.0);
-                matmul(&mut part, &qb, &keys, bq, hd, r.len());
-                for (srow, prow) in scores.chunks_exact_mut(nk).zip(part.chunks_exact(r.len())) {
+            let mut sums = Vec::new();
+            for part in &parts {
+                let (r, col) = (&part.rows, part.col);
+                let keys = head_rows(part.seg.k, r, row, g, hd);
+                sums.resize(bq * r.len(), 0.0);
+                matmul(&mut sums, &qb, &keys, bq, hd, r.len());
+                for (srow, prow) in scores.chunks_exact_mut(nk).zip(sums.chunks_exact(r.len())) {
                     srow[col..col + r.len()].copy_from_slice(prow);
                 }
-                col += r.len();
             }
 
             // Scale, cap, mask and softmax each query's row. The keys a query sees in a part
@@ -217,10 +238,10 @@ fn attention_blocked(
             for (t, srow) in scores.chunks_exact_mut(nk).enumerate() {
                 let qpos = first_q + t;
                 let first = s.first_visible(qpos);
-                let mut c = 0;
-                for (seg, r) in &parts {
-                    let cells = &mut srow[c..c + r.len()];
-                    let seen = rows_in(seg, row, first, qpos);
+                for part in &parts {
+                    let r = &part.rows;
+                    let cells = &mut srow[part.col..part.col + r.len()];
+                    let seen = rows_in(part.seg, row, first, qpos);
                     let (a, b) = (seen.start - r.start, seen.end - r.start);
                     cells[..a].fill(f32::NEG_INFINITY);
                     cells[b..].fill(f32::NEG_INFINITY);
@@ -230,18 +251,15 @@ fn attention_blocked(
                             *x = (*x / cap).tanh() * cap;
                         }
                     }
-                    c += r.len();
                 }
                 softmax(srow);
             }
 
             // O[bq, hd] = P . V
             let mut o = vec![0.0f32; bq * hd];
-            let mut col = 0;
-            for (seg, r) in &parts {
-                let values = head_rows(seg.v, r, row, g, hd);
-                weighted_rows(&mut o, &scores, nk, col, &values, bq, hd, 0..hd);
-                col += r.len();
+            for part in &parts {
+                let v = part.values(row);
+                weighted_rows(&mut o, &scores, nk, part.col, v, bq, row, g..g + hd);
             }
             (t0, h, o)
         })
@@ -254,8 +272,9 @@ fn attention_blocked(
     }
 }
 
-/// Rows `r` of one KV head (columns `g..g + hd` of `row`-wide rows) as a contiguous `[len,
-/// hd]` block: borrowed where the layer has one KV head (the rows are the block), else copied.
+/// Key rows `r` of one KV head (columns `g..g + hd` of `row`-wide rows) as a contiguous
+/// `[len, hd]` block, as the score products take them: borrowed where the layer has one KV
+/// head (the rows are the block), else copied. (The value sums read their rows in place.)
 fn head_rows<'a>(
     rows: &'a [f32],
     r: &std::ops::Range<usize>,
@@ -275,7 +294,8 @@ fn head_rows<'a>(
 }
 
 /// `o[t] += sum_j p[t, col + j] v[j, dims]` for the `bq` rows of `o` (`[bq, dims.len()]`),
-/// `p` with rows of `nk`, `v` the `[len, hd]` value rows.
+/// `p` with rows of `nk`, `v` the value rows, `[len, stride]`, read in place (a KV head's
+/// columns of them in `dims`).
 ///
 /// Where the CPU has AVX-512F and `dims` starts and ends on multiples of 64: tiles of four
 /// queries by 64 dimensions, each value row's strip loaded once per tile and met by four
@@ -288,13 +308,13 @@ fn weighted_rows(
     col: usize,
     v: &[f32],
     bq: usize,
-    hd: usize,
+    stride: usize,
     dims: std::ops::Range<usize>,
 ) {
-    let len = v.len() / hd;
+    let len = v.len() / stride;
     let width = dims.len();
     assert!(
-        o.len() == bq * width && v.len() == len * hd && dims.end <= hd,
+        o.len() == bq * width && v.len() == len * stride && dims.end <= stride,
         "weighted_rows: o, v or dims"
     );
     assert!(
@@ -304,11 +324,11 @@ fn weighted_rows(
     #[cfg(target_arch = "x86_64")]
     if dims.start.is_multiple_of(64) && width.is_multiple_of(64) && crate::kernels::avx512f() {
         // SAFETY: the CPU has AVX-512F; the shapes were checked above.
-        unsafe { weighted_rows_avx512(o, p, nk, col, &v[dims.start..], bq, hd, len, width) };
+        unsafe { weighted_rows_avx512(o, p, nk, col, &v[dims.start..], bq, stride, len, width) };
         return;
     }
     for (t, o) in o.chunks_exact_mut(width).enumerate() {
-        for (j, v) in v.chunks_exact(hd).enumerate() {
+        for (j, v) in v.chunks_exact(stride).enumerate() {
             let w = p[t * nk + col + j];
             for (o, &v) in o.iter_mut().zip(&v[dims.clone()]) {
                 *o += w * v;
@@ -321,7 +341,7 @@ fn weighted_rows(
 ///
 /// # Safety
 /// The CPU must have AVX-512F; `width % 64 == 0`, `o` is `[bq, width]`, `p` `[bq, nk]` with
-/// `col + len <= nk`, `v` `len` rows of stride `hd` with `width` floats each.
+/// `col + len <= nk`, `v` `len` rows of stride `stride` with `width` floats each.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 #[allow(clippy::too_many_arguments)]
@@ -332,7 +352,7 @@ unsafe fn weighted_rows_avx512(
     col: usize,
     v: &[f32],
     bq: usize,
-    hd: usize,
+    stride: usize,
     len: usize,
     width: usize,
 ) {
@@ -345,7 +365,7 @@ unsafe fn weighted_rows_avx512(
                 p.as_ptr().add(t * nk + col),
                 v.as_ptr().add(d),
             );
-            let strides = [width, hd];
+            let strides = [width, stride];
             match rows {
                 4 => weighted_tile::<4>(op, pp, vp, nk, strides, len),
                 3 => weighted_tile::<3>(op, pp, vp, nk, strides, len),

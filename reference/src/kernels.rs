@@ -51,13 +51,14 @@ pub fn matmul(out: &mut [f32], x: &[f32], w: &[f32], n: usize, i: usize, o: usiz
         return matvec(out, x, w, i, o);
     }
     #[cfg(target_arch = "x86_64")]
-    if n <= FEW_ROWS && avx512f() {
-        return matmul_few(out, x, w, n, i, o);
-    }
-    #[cfg(target_arch = "x86_64")]
-    if avx512f() && i <= blocked::MAX_DEPTH {
-        // SAFETY: the CPU has AVX-512F, the lengths are asserted above, the depth checked.
-        return unsafe { blocked::matmul_avx512(out, x, w, n, i, o) };
+    if avx512f() {
+        if n <= FEW_ROWS {
+            return matmul_few(out, x, w, n, i, o);
+        }
+        if i <= blocked::MAX_DEPTH {
+            // SAFETY: the CPU has AVX-512F, the lengths are asserted above, the depth checked.
+            return unsafe { blocked::matmul_avx512(out, x, w, n, i, o) };
+        }
     }
     matmul_gemm_crate(out, x, w, n, i, o)
 }
