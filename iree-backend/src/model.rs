@@ -396,9 +396,9 @@ impl IreeModel {
         &self.device
     }
 
-    /// A fresh, zeroed KV state.
-    fn new_kv(&self) -> Result<IreeKv> {
-        self.kv_pool.zeros(&self.device)
+    /// A fresh, zeroed KV state for a prefill of `rows` tokens.
+    fn new_kv(&self, rows: usize) -> Result<IreeKv> {
+        self.kv_pool.zeros(&self.device, rows)
     }
 
     /// Splits `n` rows starting at position `pos` into `(chunk size, valid rows)` calls: the
@@ -627,7 +627,7 @@ impl KvModel for IreeModel {
 
     fn prefill(&self, ids: &[u32], logits: Logits) -> Result<(IreeKv, Next)> {
         check::tokens(&self.cfg, "prefill", 0, ids)?;
-        let mut kv = self.new_kv()?;
+        let mut kv = self.new_kv(ids.len())?;
         let next = self.forward_ids("prefill", &mut kv, ids, logits)?;
         Ok((kv, next))
     }
@@ -640,7 +640,7 @@ impl KvModel for IreeModel {
     ) -> Result<(IreeKv, Next)> {
         check::tokens(&self.cfg, "prefill_embeddings", 0, ids)?;
         check::embeddings(&self.cfg, "prefill_embeddings", ids.len(), embeddings)?;
-        let mut kv = self.new_kv()?;
+        let mut kv = self.new_kv(ids.len())?;
         let input = ChunkInput::Embeddings(embeddings);
         let next = self.forward("prefill_embeddings", &mut kv, input, logits)?;
         Ok((kv, next))

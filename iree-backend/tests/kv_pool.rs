@@ -2,7 +2,8 @@
 //! reused, and a state started in a reused set holds exactly what it would in a fresh one
 //! (copied rows equal, every other full-layer row zero, the same logits bit for bit); poisoned
 //! states are not reused; the last release empties the pool and gives the allocator back what
-//! loading left.
+//! loading left; on the CPU the first snapshot lands in the spare set started beside the
+//! prefill.
 //!
 //! Prints `SKIPPED: iree-compile not found` (and passes) when the compiler is not installed.
 
@@ -188,4 +189,59 @@ fn a_state_of_another_model_is_refused() {
     let e = m.snapshot(&a).unwrap_err();
     assert!(e.to_string().contains("another model"), "{e}");
     assert_eq!(m.kv_free_sets(), 0);
+}
+
+/// On the CPU a model's first state starts a spare set beside it (`kvsnap_iree::kv`), and the
+/// snapshot of that state lands in the spare instead of allocating: the allocator's live bytes
+/// reach two sets during the prefill and stay there through the snapshot. The snapshot equals
+/// its source, the spare's other rows are zero, and the last release gives everything back. A
+/// spare not taken goes back with the last state too, and a model starts one spare only.
+#[test]
+fn cpu_first_snapshot_lands_in_the_spare_set() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let Some((m, other)) = models(Target::LlvmCpu) else {
+        return;
+    };
+    let alive = live_bytes(&m);
+    let (a, _) = m.prefill(&ids(30, 6), Logits::Skip).unwrap();
+    let set = m.kv_bytes(&a);
+    assert_eq!(
+        settled(&m, alive + 2 * set),
+        alive + 2 * set,
+        "the prefill's set and the spare"
+    );
+    let s = m.snapshot(&a).unwrap();
+    assert_eq!(live_bytes(&m), alive + 2 * set, "the snapshot allocated");
+    assert_eq!(m.kv_free_sets(), 0);
+    let (from, copy) = (bytes(&a), bytes(&s));
+    for (i, (from, copy)) in from.iter().zip(&copy).enumerate() {
+        if is_full(&m, i) {
+            let row = from.len() / CAPACITY;
+            let what = format!("buffer {i}, rows ..30");
+            same_bytes(&what, &[&copy[..30 * row]], &[&from[..30 * row]]);
+            let nonzero = copy[30 * row..].iter().position(|&x| x != 0);
+            assert_eq!(nonzero, None, "buffer {i}: rows 30.. of the spare are zero");
+        } else {
+            same_bytes(&format!("buffer {i}, whole"), &[copy], &[from]);
+        }
+    }
+    drop((a, s));
+    assert_eq!(settled(&m, alive), alive);
+
+    // Once per model: a later first state allocates its own set and nothing more.
+    let (a, _) = m.prefill(&ids(10, 7), Logits::Skip).unwrap();
+    assert_eq!(settled(&m, alive + set), alive + set, "one set, no spare");
+    drop(a);
+    assert_eq!(settled(&m, alive), alive);
+
+    // The other model's spare, never taken, goes back with its only state.
+    let alive = live_bytes(&other);
+    let (a, _) = other.prefill(&ids(10, 8), Logits::Skip).unwrap();
+    assert_eq!(settled(&other, alive + 2 * set), alive + 2 * set);
+    drop(a);
+    assert_eq!(
+        settled(&other, alive),
+        alive,
+        "the untaken spare was released"
+    );
 }
