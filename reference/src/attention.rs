@@ -66,10 +66,38 @@ struct Visible<'s, 'a> {
     col: usize,
 }
 
-impl Visible<'_, '_> {
-    /// The value rows, whole (`[rows.len(), row]`).
-    fn values(&self, row: usize) -> &[f32] {
-        &self.seg.v[self.rows.start * row..self.rows.end * row]
+impl<'a> Visible<'_, 'a> {
+    /// Columns `cols` of the value rows (`row` floats each), in place.
+    fn values(&self, row: usize, cols: std::ops::Range<usize>) -> Strided<'a> {
+        Strided {
+            data: &self.seg.v[self.rows.start * row..self.rows.end * row],
+            stride: row,
+            cols,
+        }
+    }
+
+    /// This part's columns of the rows of scores `p` (`nk` each).
+    fn weights<'p>(&self, p: &'p [f32], nk: usize) -> Strided<'p> {
+        Strided {
+            data: p,
+            stride: nk,
+            cols: self.col..self.col + self.rows.len(),
+        }
+    }
+}
+
+/// Columns `cols` of the rows of a row-major matrix, `stride` floats apart in `data`: a block
+/// of it read in place.
+#[derive(Clone, Debug)]
+struct Strided<'a> {
+    data: &'a [f32],
+    stride: usize,
+    cols: std::ops::Range<usize>,
+}
+
+impl Strided<'_> {
+    fn rows(&self) -> usize {
+        self.data.len() / self.stride.max(1)
     }
 }
 
@@ -170,8 +198,11 @@ fn attention_vector(out: &mut [f32], q: &[f32], pos0: usize, segments: &[KvSegme
             // The KV head's columns of the value rows, read in place.
             let cols = kv * hd + dims.start..kv * hd + dims.end;
             for part in &parts {
-                let v = part.values(row);
-                weighted_rows(&mut o, p, nk, part.col, v, group, row, cols.clone());
+                weighted_rows(
+                    &mut o,
+                    &part.weights(p, nk),
+                    &part.values(row, cols.clone()),
+                );
             }
             (h0, dims, o)
         })
@@ -258,8 +289,11 @@ fn attention_blocked(
             // O[bq, hd] = P . V
             let mut o = vec![0.0f32; bq * hd];
             for part in &parts {
-                let v = part.values(row);
-                weighted_rows(&mut o, &scores, nk, part.col, v, bq, row, g..g + hd);
+                weighted_rows(
+                    &mut o,
+                    &part.weights(&scores, nk),
+                    &part.values(row, g..g + hd),
+                );
             }
             (t0, h, o)
         })
@@ -293,84 +327,67 @@ fn head_rows<'a>(
     )
 }
 
-/// `o[t] += sum_j p[t, col + j] v[j, dims]` for the `bq` rows of `o` (`[bq, dims.len()]`),
-/// `p` with rows of `nk`, `v` the value rows, `[len, stride]`, read in place (a KV head's
-/// columns of them in `dims`).
+/// `o[t] += sum_j p[t, j] v[j]` over the blocks `p` (`[bq, len]`, the weights) and `v`
+/// (`[len, width]`, value rows), both read in place; `o` is `[bq, width]`.
 ///
-/// Where the CPU has AVX-512F and `dims` starts and ends on multiples of 64: tiles of four
+/// Where the CPU has AVX-512F and `v`'s columns start and end on multiples of 64: tiles of four
 /// queries by 64 dimensions, each value row's strip loaded once per tile and met by four
 /// broadcast weights (16 accumulators).
-#[allow(clippy::too_many_arguments)]
-fn weighted_rows(
-    o: &mut [f32],
-    p: &[f32],
-    nk: usize,
-    col: usize,
-    v: &[f32],
-    bq: usize,
-    stride: usize,
-    dims: std::ops::Range<usize>,
-) {
-    let len = v.len() / stride;
-    let width = dims.len();
+fn weighted_rows(o: &mut [f32], p: &Strided, v: &Strided) {
+    let (bq, len, width) = (p.rows(), v.rows(), v.cols.len());
     assert!(
-        o.len() == bq * width && v.len() == len * stride && dims.end <= stride,
-        "weighted_rows: o, v or dims"
+        o.len() == bq * width && v.data.len() == len * v.stride && v.cols.end <= v.stride,
+        "weighted_rows: o or v"
     );
     assert!(
-        col + len <= nk && (bq == 0 || (bq - 1) * nk + col + len <= p.len()),
+        p.cols.len() == len && p.data.len() == bq * p.stride && p.cols.end <= p.stride,
         "weighted_rows: p"
     );
-    #[cfg(target_arch = "x86_64")]
-    if dims.start.is_multiple_of(64) && width.is_multiple_of(64) && crate::kernels::avx512f() {
-        // SAFETY: the CPU has AVX-512F; the shapes were checked above.
-        unsafe { weighted_rows_avx512(o, p, nk, col, &v[dims.start..], bq, stride, len, width) };
+    if bq == 0 || len == 0 {
         return;
     }
-    for (t, o) in o.chunks_exact_mut(width).enumerate() {
-        for (j, v) in v.chunks_exact(stride).enumerate() {
-            let w = p[t * nk + col + j];
-            for (o, &v) in o.iter_mut().zip(&v[dims.clone()]) {
+    #[cfg(target_arch = "x86_64")]
+    if v.cols.start.is_multiple_of(64) && width.is_multiple_of(64) && crate::kernels::avx512f() {
+        // SAFETY: the CPU has AVX-512F; the shapes were checked above.
+        unsafe { weighted_rows_avx512(o, p, v) };
+        return;
+    }
+    for (o, p_row) in o.chunks_exact_mut(width).zip(p.data.chunks_exact(p.stride)) {
+        for (&w, v_row) in p_row[p.cols.clone()]
+            .iter()
+            .zip(v.data.chunks_exact(v.stride))
+        {
+            for (o, &v) in o.iter_mut().zip(&v_row[v.cols.clone()]) {
                 *o += w * v;
             }
         }
     }
 }
 
-/// [`weighted_rows`] with AVX-512F tiles, over the first `width` dimensions of `v`.
+/// [`weighted_rows`] with AVX-512F tiles.
 ///
 /// # Safety
-/// The CPU must have AVX-512F; `width % 64 == 0`, `o` is `[bq, width]`, `p` `[bq, nk]` with
-/// `col + len <= nk`, `v` `len` rows of stride `stride` with `width` floats each.
+/// The CPU must have AVX-512F; the blocks' shapes are as [`weighted_rows`] checks them, with
+/// at least one row each, and `v.cols` starts and ends on multiples of 64.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn weighted_rows_avx512(
-    o: &mut [f32],
-    p: &[f32],
-    nk: usize,
-    col: usize,
-    v: &[f32],
-    bq: usize,
-    stride: usize,
-    len: usize,
-    width: usize,
-) {
+unsafe fn weighted_rows_avx512(o: &mut [f32], p: &Strided, v: &Strided) {
+    let (bq, len, width) = (p.rows(), v.rows(), v.cols.len());
     let mut t = 0;
     while t < bq {
         let rows = (bq - t).min(4);
         for d in (0..width).step_by(64) {
             let (op, pp, vp) = (
                 o.as_mut_ptr().add(t * width + d),
-                p.as_ptr().add(t * nk + col),
-                v.as_ptr().add(d),
+                p.data.as_ptr().add(t * p.stride + p.cols.start),
+                v.data.as_ptr().add(v.cols.start + d),
             );
-            let strides = [width, stride];
+            let strides = [width, v.stride];
             match rows {
-                4 => weighted_tile::<4>(op, pp, vp, nk, strides, len),
-                3 => weighted_tile::<3>(op, pp, vp, nk, strides, len),
-                2 => weighted_tile::<2>(op, pp, vp, nk, strides, len),
-                _ => weighted_tile::<1>(op, pp, vp, nk, strides, len),
+                4 => weighted_tile::<4>(op, pp, vp, p.stride, strides, len),
+                3 => weighted_tile::<3>(op, pp, vp, p.stride, strides, len),
+                2 => weighted_tile::<2>(op, pp, vp, p.stride, strides, len),
+                _ => weighted_tile::<1>(op, pp, vp, p.stride, strides, len),
             }
         }
         t += rows;
