@@ -38,9 +38,9 @@ REAL_GOLDENS=goldens/gemma-3-270m.visible.json
 "$KVSNAP" parity --model models/gemma-3-270m --goldens "$REAL_GOLDENS" --backend iree-vulkan \
     --cases short,catalog_tv
 
-echo "== the reference's portable kernels (what CPUs without AVX-512F run: ARM phones, most laptops)"
-# The AVX-512 kernels kept off by KVSNAP_PORTABLE_KERNELS: the reference's tests and its real
-# goldens through the kernels no run above reaches on an AVX-512 machine (about 40 s).
+echo "== the reference's portable kernels (what ARM CPUs run: no AVX-512 or AVX2)"
+# The x86 kernels kept off by KVSNAP_PORTABLE_KERNELS: the reference's tests and its real
+# goldens through the kernels no run above reaches on an x86 machine (about 40 s).
 KVSNAP_PORTABLE_KERNELS=1 cargo test --release -p kvsnap-reference
 KVSNAP_PORTABLE_KERNELS=1 "$KVSNAP" parity --model models/gemma-3-270m --goldens "$REAL_GOLDENS" \
     --backend reference

@@ -6,9 +6,10 @@ use rayon::prelude::*;
 #[cfg(target_arch = "x86_64")]
 mod blocked;
 
-/// The environment variable that keeps the AVX-512 kernels off: set (to anything but `0`), the
-/// reference runs the portable kernels a CPU without AVX-512F runs (an ARM phone's among
-/// them), so that the suite can test them on a machine that has it. Read once per process.
+/// The environment variable that keeps the x86 kernels (AVX-512, and AVX2 where AVX-512 is
+/// missing) off: set (to anything but `0`), the reference runs the portable kernels a CPU
+/// without them runs (an ARM phone's), so that the suite can test them on a machine that has
+/// them. Read once per process.
 pub const PORTABLE_KERNELS_ENV: &str = "KVSNAP_PORTABLE_KERNELS";
 
 /// Whether [`PORTABLE_KERNELS_ENV`] asks for the portable kernels.
@@ -27,6 +28,13 @@ pub(crate) fn avx512f() -> bool {
 #[cfg(target_arch = "x86_64")]
 pub(crate) fn avx512bw() -> bool {
     avx512f() && std::arch::is_x86_feature_detected!("avx512bw")
+}
+
+/// Whether the AVX2 kernels run (where the AVX-512 ones do not): the CPU has AVX2 and
+/// [`portable_kernels`] is off.
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn avx2() -> bool {
+    !portable_kernels() && std::arch::is_x86_feature_detected!("avx2")
 }
 
 /// `out[n, o] = x[n, i] . w[o, i]^T`: a batch of rows times an HF `[out, in]` weight.
@@ -383,6 +391,14 @@ pub fn matvec_q8_i16(out: &mut [i32], x: &[i16], q: &[i8], i: usize, o: usize) {
                 }
                 return;
             }
+            #[cfg(target_arch = "x86_64")]
+            if avx2() {
+                for (o, row) in out.iter_mut().zip(q.chunks_exact(i)) {
+                    // SAFETY: the CPU has AVX2; `row` and `x` hold `i` elements.
+                    *o = unsafe { dot_q8_i16_avx2(row, x) };
+                }
+                return;
+            }
             matvec_q8_i16_naive(out, x, q, i, out.len());
         });
 }
@@ -422,6 +438,49 @@ unsafe fn dot_q8_i16_avx512(row: &[i8], x: &[i16]) -> i32 {
         sum += i32::from(q) * i32::from(x);
     }
     sum
+}
+
+/// [`dot_q8_i16_avx512`] on CPUs with AVX2 and without AVX-512BW: 16 weights widened to
+/// int16 at a time, four such `vpmaddwd`s an iteration. The naive loop the compiler vectorizes
+/// for the x86-64 baseline (SSE2, which has no sign extension of bytes) screened the head at 9
+/// GB/s of weights on a Zen 3 host whose two threads read 26 (docs/BENCHMARKS.md, sixteenth
+/// pass).
+///
+/// # Safety
+/// The CPU must have AVX2; `row.len() == x.len()`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn dot_q8_i16_avx2(row: &[i8], x: &[i16]) -> i32 {
+    use std::arch::x86_64::*;
+    let n = row.len();
+    let (pq, px) = (row.as_ptr(), x.as_ptr());
+    let mut acc = [_mm256_setzero_si256(); 4];
+    let mut k = 0;
+    // SAFETY (all loads): 16 weights (16 bytes) and 16 activations at `k + 16 * (j + 1) <= n`.
+    while k + 64 <= n {
+        _mm_prefetch::<_MM_HINT_T0>(pq.add(k).wrapping_add(STREAM_AHEAD));
+        for (j, acc) in acc.iter_mut().enumerate() {
+            let w = _mm256_cvtepi8_epi16(_mm_loadu_si128(pq.add(k + 16 * j).cast()));
+            let xv = _mm256_loadu_si256(px.add(k + 16 * j).cast());
+            *acc = _mm256_add_epi32(*acc, _mm256_madd_epi16(w, xv));
+        }
+        k += 64;
+    }
+    let sum = _mm256_add_epi32(
+        _mm256_add_epi32(acc[0], acc[1]),
+        _mm256_add_epi32(acc[2], acc[3]),
+    );
+    let half = _mm_add_epi32(
+        _mm256_castsi256_si128(sum),
+        _mm256_extracti128_si256::<1>(sum),
+    );
+    let mut lanes = [0i32; 4];
+    _mm_storeu_si128(lanes.as_mut_ptr().cast(), half);
+    let mut total = lanes.iter().sum::<i32>();
+    for (&q, &x) in row[k..].iter().zip(&x[k..]) {
+        total += i32::from(q) * i32::from(x);
+    }
+    total
 }
 
 /// Naive oracle of [`matvec_q8_i16`]: each row summed in order in i32. The sums are exact, so
@@ -780,6 +839,28 @@ pub(crate) mod tests {
             matvec_q8_i16(&mut got, &x, &q, i, o);
             matvec_q8_i16_naive(&mut want, &x, &q, i, o);
             assert_eq!(got, want, "{i}x{o}: exact sums");
+            // Each x86 kernel the CPU has, whichever the dispatch above picked.
+            #[cfg(target_arch = "x86_64")]
+            {
+                let rows = || q.chunks_exact(i).zip(&want);
+                if std::arch::is_x86_feature_detected!("avx2") {
+                    for (row, &want) in rows() {
+                        // SAFETY: the CPU has AVX2; the lengths are equal.
+                        assert_eq!(unsafe { dot_q8_i16_avx2(row, &x) }, want, "{i}x{o}: AVX2");
+                    }
+                } else {
+                    eprintln!("SKIPPED: the AVX2 kernel (the CPU has no AVX2)");
+                }
+                if std::arch::is_x86_feature_detected!("avx512bw") {
+                    for (row, &want) in rows() {
+                        // SAFETY: the CPU has AVX-512F and BW; the lengths are equal.
+                        let got = unsafe { dot_q8_i16_avx512(row, &x) };
+                        assert_eq!(got, want, "{i}x{o}: AVX-512");
+                    }
+                } else {
+                    eprintln!("SKIPPED: the AVX-512 kernel (the CPU has no AVX-512BW)");
+                }
+            }
             assert!(
                 got.iter().any(|&v| v.unsigned_abs() > 1 << 20),
                 "{i}x{o}: not trivially small"
@@ -1079,6 +1160,15 @@ pub(crate) mod tests {
                 (dot_plain(&a, &b) as f64 - want).abs() < 1e-5,
                 "plain n={n}"
             );
+            // The AVX-512 kernel where the CPU has it, whichever `dot` picked.
+            #[cfg(target_arch = "x86_64")]
+            if is_x86_feature_detected!("avx512f") {
+                // SAFETY: the CPU has AVX-512F.
+                let got = unsafe { dot_avx512::<0>(&a, &b) };
+                assert!((got as f64 - want).abs() < 1e-5, "AVX-512 n={n}");
+            } else {
+                eprintln!("SKIPPED: the AVX-512 dot (the CPU has no AVX-512F)");
+            }
         }
     }
 

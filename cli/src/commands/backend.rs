@@ -54,7 +54,7 @@ impl FromStr for Backend {
 pub fn note_reference_kernels() {
     if kvsnap_reference::kernels::portable_kernels() {
         eprintln!(
-            "reference: the portable kernels ({} is set; no AVX-512)",
+            "reference: the portable kernels ({} is set; no AVX-512 or AVX2)",
             kvsnap_reference::kernels::PORTABLE_KERNELS_ENV
         );
     }
