@@ -332,7 +332,8 @@ fn head_rows<'a>(
 ///
 /// Where the CPU has AVX-512F and `v`'s columns start and end on multiples of 64: tiles of four
 /// queries by 64 dimensions, each value row's strip loaded once per tile and met by four
-/// broadcast weights (16 accumulators).
+/// broadcast weights (16 accumulators). Where it has AVX2 and FMA instead, and the width is a
+/// multiple of 16: the same tiles 16 dimensions wide (8 accumulators of 8 lanes).
 fn weighted_rows(o: &mut [f32], p: &Strided, v: &Strided) {
     let (bq, len, width) = (p.rows(), v.rows(), v.cols.len());
     assert!(
@@ -350,6 +351,12 @@ fn weighted_rows(o: &mut [f32], p: &Strided, v: &Strided) {
     if v.cols.start.is_multiple_of(64) && width.is_multiple_of(64) && crate::kernels::avx512f() {
         // SAFETY: the CPU has AVX-512F; the shapes were checked above.
         unsafe { weighted_rows_avx512(o, p, v) };
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if width.is_multiple_of(16) && crate::kernels::avx2() {
+        // SAFETY: the CPU has AVX2 and FMA; the shapes were checked above.
+        unsafe { weighted_rows_avx2(o, p, v) };
         return;
     }
     for (o, p_row) in o.chunks_exact_mut(width).zip(p.data.chunks_exact(p.stride)) {
@@ -391,6 +398,74 @@ unsafe fn weighted_rows_avx512(o: &mut [f32], p: &Strided, v: &Strided) {
             }
         }
         t += rows;
+    }
+}
+
+/// [`weighted_rows`] with AVX2 and FMA tiles of up to four queries by 16 dimensions.
+///
+/// # Safety
+/// The CPU must have AVX2 and FMA; the blocks' shapes are as [`weighted_rows`] checks them,
+/// with at least one row each, and `v.cols.len()` is a multiple of 16.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn weighted_rows_avx2(o: &mut [f32], p: &Strided, v: &Strided) {
+    let (bq, len, width) = (p.rows(), v.rows(), v.cols.len());
+    let mut t = 0;
+    while t < bq {
+        let rows = (bq - t).min(4);
+        for d in (0..width).step_by(16) {
+            let (op, pp, vp) = (
+                o.as_mut_ptr().add(t * width + d),
+                p.data.as_ptr().add(t * p.stride + p.cols.start),
+                v.data.as_ptr().add(v.cols.start + d),
+            );
+            let strides = [width, v.stride];
+            match rows {
+                4 => weighted_tile_avx2::<4>(op, pp, vp, p.stride, strides, len),
+                3 => weighted_tile_avx2::<3>(op, pp, vp, p.stride, strides, len),
+                2 => weighted_tile_avx2::<2>(op, pp, vp, p.stride, strides, len),
+                _ => weighted_tile_avx2::<1>(op, pp, vp, p.stride, strides, len),
+            }
+        }
+        t += rows;
+    }
+}
+
+/// `T` rows of `o` by 16 dimensions: `o[t, 0..16] += sum_j p[t, j] v[j, 0..16]`, the rows of
+/// `o` and `v` `strides` apart ([`weighted_tile`] in AVX2).
+///
+/// # Safety
+/// The CPU must have AVX2 and FMA; `o` addresses `T` rows with 16 floats each, `p` `T` rows
+/// of stride `nk` with `len` weights, `v` `len` rows with 16 floats.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn weighted_tile_avx2<const T: usize>(
+    o: *mut f32,
+    p: *const f32,
+    v: *const f32,
+    nk: usize,
+    [os, vs]: [usize; 2],
+    len: usize,
+) {
+    use std::arch::x86_64::*;
+    let mut acc: [[__m256; 2]; T] =
+        std::array::from_fn(|t| std::array::from_fn(|c| _mm256_loadu_ps(o.add(t * os + 8 * c))));
+    for j in 0..len {
+        // The row 8 ahead (from memory in a decode step; never faults).
+        _mm_prefetch::<_MM_HINT_T0>(v.wrapping_add((j + 8) * vs).cast());
+        let vv: [__m256; 2] = std::array::from_fn(|c| _mm256_loadu_ps(v.add(j * vs + 8 * c)));
+        for (t, acc) in acc.iter_mut().enumerate() {
+            let w = _mm256_set1_ps(*p.add(t * nk + j));
+            for (acc, vv) in acc.iter_mut().zip(&vv) {
+                *acc = _mm256_fmadd_ps(w, *vv, *acc);
+            }
+        }
+    }
+    for (t, acc) in acc.iter().enumerate() {
+        for (c, acc) in acc.iter().enumerate() {
+            _mm256_storeu_ps(o.add(t * os + 8 * c), *acc);
+        }
     }
 }
 
@@ -560,8 +635,8 @@ mod tests {
     }
 
     /// The same at the real model's head size (one KV head, 256 dims) and at 64 dims with two
-    /// KV heads: the AVX-512 tiles of `weighted_rows` and the borrowed and copied key rows, over
-    /// chunks longer than a query block.
+    /// KV heads: the AVX-512 or AVX2 tiles of `weighted_rows` and the borrowed and copied key
+    /// rows, over chunks longer than a query block.
     #[test]
     fn chunked_at_model_head_sizes_matches_naive() {
         for (kv_heads, head_dim, window) in [(1, 256, None), (1, 256, Some(20)), (2, 64, Some(9))] {
@@ -597,6 +672,68 @@ mod tests {
                     .build()
                     .expect("a pool");
                 pool.install(|| assert_chunked_matches_naive(s, &[1, 70, 1, 1, 60, 1], 11));
+            }
+        }
+    }
+
+    /// `weighted_rows` and each of its x86 kernels the CPU has, whichever the dispatch picks:
+    /// blocks read in place at column offsets and strides, 1 to 4 queries to a tile, within
+    /// 1e-5 of f64 sums.
+    #[test]
+    fn weighted_rows_kernels_match_naive() {
+        let (bq, nk, len, stride) = (7, 50, 40, 96);
+        let scores = values(bq * nk, 21);
+        let rows = values(len * stride, 22);
+        let p = Strided {
+            data: &scores,
+            stride: nk,
+            cols: 5..5 + len,
+        };
+        for cols in [0..64, 16..48, 32..96, 3..11] {
+            let v = Strided {
+                data: &rows,
+                stride,
+                cols: cols.clone(),
+            };
+            let width = cols.len();
+            let want: Vec<f64> = (0..bq * width)
+                .map(|e| {
+                    let (t, d) = (e / width, cols.start + e % width);
+                    (0..len)
+                        .map(|j| {
+                            f64::from(scores[t * nk + 5 + j]) * f64::from(rows[j * stride + d])
+                        })
+                        .sum()
+                })
+                .collect();
+            let check = |what: &str, got: &[f32]| {
+                for (g, w) in got.iter().zip(&want) {
+                    assert!((f64::from(*g) - w).abs() < 1e-5, "{what}, columns {cols:?}");
+                }
+            };
+            let mut got = vec![0.0; bq * width];
+            weighted_rows(&mut got, &p, &v);
+            check("dispatched", &got);
+            #[cfg(target_arch = "x86_64")]
+            {
+                let avx2 = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
+                if avx2 && width % 16 == 0 {
+                    let mut got = vec![0.0; bq * width];
+                    // SAFETY: the CPU has AVX2 and FMA; the shapes are as checked above.
+                    unsafe { weighted_rows_avx2(&mut got, &p, &v) };
+                    check("AVX2", &got);
+                } else if !avx2 {
+                    eprintln!("SKIPPED: the AVX2 tiles (the CPU has no AVX2 and FMA)");
+                }
+                let avx512 = is_x86_feature_detected!("avx512f");
+                if avx512 && cols.start % 64 == 0 && width % 64 == 0 {
+                    let mut got = vec![0.0; bq * width];
+                    // SAFETY: the CPU has AVX-512F; the shapes are as checked above.
+                    unsafe { weighted_rows_avx512(&mut got, &p, &v) };
+                    check("AVX-512", &got);
+                } else if !avx512 {
+                    eprintln!("SKIPPED: the AVX-512 tiles (the CPU has no AVX-512F)");
+                }
             }
         }
     }

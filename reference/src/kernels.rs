@@ -30,11 +30,13 @@ pub(crate) fn avx512bw() -> bool {
     avx512f() && std::arch::is_x86_feature_detected!("avx512bw")
 }
 
-/// Whether the AVX2 kernels run (where the AVX-512 ones do not): the CPU has AVX2 and
+/// Whether the AVX2 kernels run (where the AVX-512 ones do not): the CPU has AVX2 and FMA and
 /// [`portable_kernels`] is off.
 #[cfg(target_arch = "x86_64")]
 pub(crate) fn avx2() -> bool {
-    !portable_kernels() && std::arch::is_x86_feature_detected!("avx2")
+    !portable_kernels()
+        && std::arch::is_x86_feature_detected!("avx2")
+        && std::arch::is_x86_feature_detected!("fma")
 }
 
 /// `out[n, o] = x[n, i] . w[o, i]^T`: a batch of rows times an HF `[out, in]` weight.
