@@ -350,13 +350,13 @@ fn weighted_rows(o: &mut [f32], p: &Strided, v: &Strided) {
     #[cfg(target_arch = "x86_64")]
     if v.cols.start.is_multiple_of(64) && width.is_multiple_of(64) && crate::kernels::avx512f() {
         // SAFETY: the CPU has AVX-512F; the shapes were checked above.
-        unsafe { weighted_rows_avx512(o, p, v) };
+        unsafe { weighted_rows_tiled(o, p, v, AVX512_TILES) };
         return;
     }
     #[cfg(target_arch = "x86_64")]
     if width.is_multiple_of(16) && crate::kernels::avx2() {
         // SAFETY: the CPU has AVX2 and FMA; the shapes were checked above.
-        unsafe { weighted_rows_avx2(o, p, v) };
+        unsafe { weighted_rows_tiled(o, p, v, AVX2_TILES) };
         return;
     }
     for (o, p_row) in o.chunks_exact_mut(width).zip(p.data.chunks_exact(p.stride)) {
@@ -371,61 +371,61 @@ fn weighted_rows(o: &mut [f32], p: &Strided, v: &Strided) {
     }
 }
 
-/// [`weighted_rows`] with AVX-512F tiles.
-///
-/// # Safety
-/// The CPU must have AVX-512F; the blocks' shapes are as [`weighted_rows`] checks them, with
-/// at least one row each, and `v.cols` starts and ends on multiples of 64.
+/// A tile kernel of [`weighted_rows`]: `o[t, ..strip] += sum_j p[t, j] v[j, ..strip]` for a
+/// fixed number of rows `t` (the kernel's), arguments as [`weighted_tile`]'s.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn weighted_rows_avx512(o: &mut [f32], p: &Strided, v: &Strided) {
-    let (bq, len, width) = (p.rows(), v.rows(), v.cols.len());
-    let mut t = 0;
-    while t < bq {
-        let rows = (bq - t).min(4);
-        for d in (0..width).step_by(64) {
-            let (op, pp, vp) = (
-                o.as_mut_ptr().add(t * width + d),
-                p.data.as_ptr().add(t * p.stride + p.cols.start),
-                v.data.as_ptr().add(v.cols.start + d),
-            );
-            let strides = [width, v.stride];
-            match rows {
-                4 => weighted_tile::<4>(op, pp, vp, p.stride, strides, len),
-                3 => weighted_tile::<3>(op, pp, vp, p.stride, strides, len),
-                2 => weighted_tile::<2>(op, pp, vp, p.stride, strides, len),
-                _ => weighted_tile::<1>(op, pp, vp, p.stride, strides, len),
-            }
-        }
-        t += rows;
-    }
-}
+type Tile = unsafe fn(*mut f32, *const f32, *const f32, usize, [usize; 2], usize);
 
-/// [`weighted_rows`] with AVX2 and FMA tiles of up to four queries by 16 dimensions.
+/// AVX-512F tiles of 1 to 4 queries by 64 dimensions.
+#[cfg(target_arch = "x86_64")]
+const AVX512_TILES: (usize, [Tile; 4]) = (
+    64,
+    [
+        weighted_tile::<1>,
+        weighted_tile::<2>,
+        weighted_tile::<3>,
+        weighted_tile::<4>,
+    ],
+);
+
+/// AVX2 and FMA tiles of 1 to 4 queries by 16 dimensions.
+#[cfg(target_arch = "x86_64")]
+const AVX2_TILES: (usize, [Tile; 4]) = (
+    16,
+    [
+        weighted_tile_avx2::<1>,
+        weighted_tile_avx2::<2>,
+        weighted_tile_avx2::<3>,
+        weighted_tile_avx2::<4>,
+    ],
+);
+
+/// [`weighted_rows`] by `tiles` (their strip width, and the kernels for 1 to 4 query rows):
+/// four queries at a time, then the one to three left, each strip of dimensions in turn.
 ///
 /// # Safety
-/// The CPU must have AVX2 and FMA; the blocks' shapes are as [`weighted_rows`] checks them,
-/// with at least one row each, and `v.cols.len()` is a multiple of 16.
+/// The CPU must have the tiles' instructions; the blocks' shapes are as [`weighted_rows`]
+/// checks them, with at least one row each, and `v.cols.len()` is a multiple of the strip.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn weighted_rows_avx2(o: &mut [f32], p: &Strided, v: &Strided) {
+unsafe fn weighted_rows_tiled(
+    o: &mut [f32],
+    p: &Strided,
+    v: &Strided,
+    (strip, tiles): (usize, [Tile; 4]),
+) {
     let (bq, len, width) = (p.rows(), v.rows(), v.cols.len());
     let mut t = 0;
     while t < bq {
         let rows = (bq - t).min(4);
-        for d in (0..width).step_by(16) {
-            let (op, pp, vp) = (
+        for d in (0..width).step_by(strip) {
+            tiles[rows - 1](
                 o.as_mut_ptr().add(t * width + d),
                 p.data.as_ptr().add(t * p.stride + p.cols.start),
                 v.data.as_ptr().add(v.cols.start + d),
+                p.stride,
+                [width, v.stride],
+                len,
             );
-            let strides = [width, v.stride];
-            match rows {
-                4 => weighted_tile_avx2::<4>(op, pp, vp, p.stride, strides, len),
-                3 => weighted_tile_avx2::<3>(op, pp, vp, p.stride, strides, len),
-                2 => weighted_tile_avx2::<2>(op, pp, vp, p.stride, strides, len),
-                _ => weighted_tile_avx2::<1>(op, pp, vp, p.stride, strides, len),
-            }
         }
         t += rows;
     }
@@ -720,7 +720,7 @@ mod tests {
                 if avx2 && width % 16 == 0 {
                     let mut got = vec![0.0; bq * width];
                     // SAFETY: the CPU has AVX2 and FMA; the shapes are as checked above.
-                    unsafe { weighted_rows_avx2(&mut got, &p, &v) };
+                    unsafe { weighted_rows_tiled(&mut got, &p, &v, AVX2_TILES) };
                     check("AVX2", &got);
                 } else if !avx2 {
                     eprintln!("SKIPPED: the AVX2 tiles (the CPU has no AVX2 and FMA)");
@@ -729,7 +729,7 @@ mod tests {
                 if avx512 && cols.start % 64 == 0 && width % 64 == 0 {
                     let mut got = vec![0.0; bq * width];
                     // SAFETY: the CPU has AVX-512F; the shapes are as checked above.
-                    unsafe { weighted_rows_avx512(&mut got, &p, &v) };
+                    unsafe { weighted_rows_tiled(&mut got, &p, &v, AVX512_TILES) };
                     check("AVX-512", &got);
                 } else if !avx512 {
                     eprintln!("SKIPPED: the AVX-512 tiles (the CPU has no AVX-512F)");
