@@ -212,12 +212,7 @@ impl KvPool {
         inner.spare_started = true;
         // Allocated here, as every other set is: from another thread the allocator's `calloc`
         // can come from that thread's arena, which zero-fills (touches) all of it.
-        let Ok(bufs) = self
-            .specs
-            .iter()
-            .map(|(dims, elem)| BufferView::allocate(device, dims, *elem))
-            .collect::<Result<Vec<_>>>()
-        else {
+        let Ok(bufs) = self.allocate(device) else {
             return;
         };
         let kinds = self.kinds.clone();
@@ -225,16 +220,7 @@ impl KvPool {
         let device = device.clone();
         let fault_in = move || {
             // One buffer at a time: a single thread beside the prefill's.
-            for (dst, kind) in bufs.iter().zip(&kinds) {
-                let len = match *kind {
-                    BufKind::Rows { row_bytes } => rows * row_bytes,
-                    BufKind::Whole => dst.byte_length(),
-                };
-                let zero = Transfer::Zero {
-                    dst,
-                    offset: 0,
-                    len,
-                };
+            for zero in zero_fills(&kinds, &bufs, rows) {
                 BufferView::transfer(&device, &[zero]).ok()?;
             }
             Some(FreeSet {
@@ -274,17 +260,21 @@ impl KvPool {
         if let Some(set) = spare.and_then(|thread| thread.join().ok().flatten()) {
             return Ok(set);
         }
-        let bufs = self
-            .specs
-            .iter()
-            .map(|(dims, elem)| BufferView::allocate(device, dims, *elem))
-            .collect::<Result<Vec<_>>>()?;
+        let bufs = self.allocate(device)?;
         let zero = device.kind() == DeviceKind::Cpu;
         Ok(FreeSet {
             bufs,
             written: if zero { 0 } else { self.capacity },
             zero,
         })
+    }
+
+    /// A new buffer set: one buffer per spec, manifest KV order.
+    fn allocate(&self, device: &Device) -> Result<Vec<BufferView>> {
+        self.specs
+            .iter()
+            .map(|(dims, elem)| BufferView::allocate(device, dims, *elem))
+            .collect()
     }
 
     /// An empty state: every buffer zero. `rows` is how many rows the caller is about to write
@@ -296,19 +286,7 @@ impl KvPool {
         if set.zero {
             return Ok(IreeKv::new(self, 0, set));
         }
-        let ops: Vec<Transfer> = set
-            .bufs
-            .iter()
-            .zip(&self.kinds)
-            .map(|(dst, kind)| Transfer::Zero {
-                dst,
-                offset: 0,
-                len: match kind {
-                    BufKind::Rows { row_bytes } => set.written.min(self.capacity) * row_bytes,
-                    BufKind::Whole => dst.byte_length(),
-                },
-            })
-            .collect();
+        let ops = zero_fills(&self.kinds, &set.bufs, set.written.min(self.capacity));
         BufferView::transfer(device, &ops)?;
         let set = FreeSet { written: 0, ..set };
         Ok(IreeKv::new(self, 0, set))
@@ -359,4 +337,20 @@ impl KvPool {
         };
         Ok(IreeKv::new(self, src.len, set))
     }
+}
+
+/// Zero fills of a set's buffers (`kinds` in the same order): full-layer rows `..rows`, every
+/// other buffer whole.
+fn zero_fills<'b>(kinds: &[BufKind], bufs: &'b [BufferView], rows: usize) -> Vec<Transfer<'b>> {
+    bufs.iter()
+        .zip(kinds)
+        .map(|(dst, kind)| Transfer::Zero {
+            dst,
+            offset: 0,
+            len: match *kind {
+                BufKind::Rows { row_bytes } => rows * row_bytes,
+                BufKind::Whole => dst.byte_length(),
+            },
+        })
+        .collect()
 }

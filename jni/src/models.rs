@@ -106,9 +106,9 @@ pub fn open(opts: OpenOptions<'_>) -> BridgeResult<OpenModel> {
     }
 }
 
-#[cfg(feature = "iree")]
 /// The IREE options of `opts`: its module dir, and the Vulkan device ordinal (`device` is a
 /// non-negative integer; the CPU takes none, or `cpu`).
+#[cfg(feature = "iree")]
 fn iree_options(opts: OpenOptions<'_>) -> BridgeResult<IreeOptions> {
     let op = "open";
     let (base, target) = match opts.backend {
