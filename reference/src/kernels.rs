@@ -41,11 +41,13 @@ pub(crate) fn avx2() -> bool {
 
 /// `out[n, o] = x[n, i] . w[o, i]^T`: a batch of rows times an HF `[out, in]` weight.
 ///
-/// One row is [`matvec`]. Where the AVX-512F kernels run, up to [`FEW_ROWS`] rows are
-/// [`matmul_few`] and more (a prefill) a blocked GEMM with 12 x 32 AVX-512 register tiles (the
-/// private `blocked` module); elsewhere any chunk goes to the `gemm` crate, whose NEON and AVX2
-/// kernels beat `matmul_few`'s portable dot products (through the portable kernels on this
-/// host, the catalog's 22-token extend 173 -> 93 ms, its prefill 1.82 -> 1.52 s). All parallel
+/// One row is [`matvec`]. Where the AVX-512F or the AVX2 kernels run, up to [`FEW_ROWS`] rows
+/// are [`matmul_few`]; more (a prefill) are a blocked GEMM with 12 x 32 AVX-512 register tiles
+/// (the private `blocked` module) where the CPU has AVX-512F. Everything else goes to the
+/// `gemm` crate, whose NEON and AVX2 kernels beat `matmul_few`'s portable dot products
+/// (through the portable kernels on an AVX-512 host, the catalog's 22-token extend 173 -> 93
+/// ms, its prefill 1.82 -> 1.52 s) but not its AVX2 tiles on a few rows (a Zen 3 host, 22 rows:
+/// the layers' products 1.8-2.7x faster, docs/BENCHMARKS.md, seventeenth pass). All parallel
 /// over rayon's pool.
 ///
 /// # Shapes
@@ -69,6 +71,10 @@ pub fn matmul(out: &mut [f32], x: &[f32], w: &[f32], n: usize, i: usize, o: usiz
             // SAFETY: the CPU has AVX-512F, the lengths are asserted above, the depth checked.
             return unsafe { blocked::matmul_avx512(out, x, w, n, i, o) };
         }
+    }
+    #[cfg(target_arch = "x86_64")]
+    if avx2() && n <= FEW_ROWS {
+        return matmul_few(out, x, w, n, i, o);
     }
     matmul_gemm_crate(out, x, w, n, i, o)
 }
@@ -185,7 +191,8 @@ pub fn matmul_gemm_crate(out: &mut [f32], x: &[f32], w: &[f32], n: usize, i: usi
 /// 22-token extend took 114-129 ms with either (docs/BENCHMARKS.md, seventh pass). With the
 /// weights packed at load ([`PackedWeight`]) the blocked tiles win: the model's layers run
 /// [`matmul_packed`] where the CPU has AVX-512F, and `matmul` serves the attention's scores
-/// and CPUs without it.
+/// and CPUs without it. With AVX2 only (a Zen 3 host), 64 rows are still at least a draw with
+/// the `gemm` crate (gate/up `[4096, 640]`: 4.0 vs 3.7 ms; down 2.6 -> 1.7 ms).
 pub const FEW_ROWS: usize = 64;
 
 /// How many groups of four weight rows ahead [`matmul_few`] prefetches.
@@ -194,7 +201,7 @@ const FEW_AHEAD_GROUPS: usize = 2;
 
 /// `out[n, o] = x[n, i] . w[o, i]^T` for a few rows, weight-stationary like [`matvec`]: each
 /// group of four weight rows is read from memory once, in order, and multiplied with every row
-/// of `x` (which stays in cache) as tiles of 4 x up to 4 16-lane dot products; blocks of 64
+/// of `x` (which stays in cache) as tiles of dot products ([`few_rows`]); blocks of 64
 /// weight rows are split across rayon's pool. A group's first tile prefetches the group two
 /// ahead: without it a group's rows arrived only as its first tile read them (a 22-token
 /// extend after an 860-token prefix, when the layers still ran here: five interleaved runs of
@@ -220,8 +227,9 @@ pub fn matmul_few(out: &mut [f32], x: &[f32], w: &[f32], n: usize, i: usize, o: 
 }
 
 /// `t[r, c] = w[r] . x[c]` on the calling thread: [`matmul_few`]'s transposed product for
-/// one block of weight rows, by its tiles where the CPU has AVX-512F. The attention's decode
-/// step scores blocks of keys (`w`) against a KV head's queries (`x`) with it.
+/// one block of weight rows, by tiles of dot products where the CPU has AVX-512F (4 x 4) or
+/// AVX2 and FMA (4 x 3). The attention's decode step scores blocks of keys (`w`) against a KV
+/// head's queries (`x`) with it.
 ///
 /// # Shapes
 /// `t`: `[rows, n]`, `x`: `[n, i]`, `w`: `[rows, i]`.
@@ -231,11 +239,20 @@ pub fn few_rows(t: &mut [f32], x: &[f32], w: &[f32], n: usize, i: usize) {
         "few_rows: shapes"
     );
     #[cfg(target_arch = "x86_64")]
-    if avx512f() && i > 0 {
-        // SAFETY: the CPU has AVX-512F; `t` is `[rows, n]` for the `[rows, i]` block `w`, and
-        // `x` is `[n, i]` (asserted above).
-        unsafe { few_rows_avx512(t, x, w, n, i) };
-        return;
+    if i > 0 {
+        let tiles = if avx512f() {
+            Some(&AVX512_DOT_TILES)
+        } else if avx2() {
+            Some(&AVX2_DOT_TILES)
+        } else {
+            None
+        };
+        if let Some(tiles) = tiles {
+            // SAFETY: the CPU has the tiles' instructions; `t` is `[rows, n]` for the
+            // `[rows, i]` block `w`, and `x` is `[n, i]` (asserted above).
+            unsafe { few_rows_tiled(t, x, w, n, i, tiles) };
+            return;
+        }
     }
     for (t, row) in t.chunks_exact_mut(n.max(1)).zip(w.chunks_exact(i.max(1))) {
         for (t, xr) in t.iter_mut().zip(x.chunks_exact(i.max(1))) {
@@ -244,40 +261,86 @@ pub fn few_rows(t: &mut [f32], x: &[f32], w: &[f32], n: usize, i: usize) {
     }
 }
 
-/// The tiles of [`matmul_few`] for one block of weight rows: four weight rows at a time (then
-/// one), each against four rows of `x` at a time (then the one to three left).
+/// A tile kernel of [`few_rows`]: `t[r * n + c] = w[r] . x[c]` for the kernel's `R` weight
+/// rows at `w` and `C` rows of `x` at `x`, each `i` long, prefetching `R` rows at `ahead`
+/// unless it is null.
+#[cfg(target_arch = "x86_64")]
+type DotTile =
+    unsafe fn(w: *const f32, x: *const f32, i: usize, ahead: *const f32, t: *mut f32, n: usize);
+
+/// The tiles of one instruction set for [`few_rows_tiled`]: `four[c - 1]` multiplies four
+/// weight rows by `c` rows of `x`, `one[c - 1]` one weight row; both as wide as each other.
+#[cfg(target_arch = "x86_64")]
+struct DotTiles {
+    four: &'static [DotTile],
+    one: &'static [DotTile],
+}
+
+/// AVX-512F tiles: up to 4 x 4 accumulators of 16 lanes.
+#[cfg(target_arch = "x86_64")]
+const AVX512_DOT_TILES: DotTiles = DotTiles {
+    four: &[
+        tile_avx512::<4, 1>,
+        tile_avx512::<4, 2>,
+        tile_avx512::<4, 3>,
+        tile_avx512::<4, 4>,
+    ],
+    one: &[
+        tile_avx512::<1, 1>,
+        tile_avx512::<1, 2>,
+        tile_avx512::<1, 3>,
+        tile_avx512::<1, 4>,
+    ],
+};
+
+/// AVX2 and FMA tiles: up to 4 x 3 accumulators of 8 lanes (with the three rows of `x`, 15
+/// of the 16 registers).
+#[cfg(target_arch = "x86_64")]
+const AVX2_DOT_TILES: DotTiles = DotTiles {
+    four: &[tile_avx2::<4, 1>, tile_avx2::<4, 2>, tile_avx2::<4, 3>],
+    one: &[tile_avx2::<1, 1>, tile_avx2::<1, 2>, tile_avx2::<1, 3>],
+};
+
+/// [`few_rows`] by `tiles`: four weight rows at a time (then one), each against as many rows
+/// of `x` as the widest tile takes (then the rest). A group's first tile also prefetches the
+/// group [`FEW_AHEAD_GROUPS`] ahead (past the block's end: the next block in memory).
 ///
 /// # Safety
-/// The CPU must have AVX-512F; `t` is `[rows, n]`, `w` `[rows, i]`, `x` `[n, i]`.
+/// The CPU must have the tiles' instructions; `i > 0`, `t` is `[rows, n]`, `w` `[rows, i]`,
+/// `x` `[n, i]`.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn few_rows_avx512(t: &mut [f32], x: &[f32], w: &[f32], n: usize, i: usize) {
+unsafe fn few_rows_tiled(
+    t: &mut [f32],
+    x: &[f32],
+    w: &[f32],
+    n: usize,
+    i: usize,
+    tiles: &DotTiles,
+) {
     let rows = w.len() / i;
     let mut r = 0;
     while r < rows {
-        let step = if r + 4 <= rows { 4 } else { 1 };
+        let (step, kernels) = if r + 4 <= rows {
+            (4, tiles.four)
+        } else {
+            (1, tiles.one)
+        };
         let mut c = 0;
         while c < n {
-            let width = (n - c).min(4);
-            let (wp, xp) = (w.as_ptr().add(r * i), x.as_ptr().add(c * i));
-            // The first tile of a group of weight rows also prefetches the group
-            // `FEW_AHEAD_GROUPS` ahead (past the block's end: the next block in memory).
+            let width = (n - c).min(kernels.len());
             let ahead = if c == 0 {
                 w.as_ptr().wrapping_add((r + 4 * FEW_AHEAD_GROUPS) * i)
             } else {
                 std::ptr::null()
             };
-            let mut put = |dr: usize, dc: usize, v: f32| t[(r + dr) * n + c + dc] = v;
-            match (step, width) {
-                (4, 4) => tile_avx512::<4, 4>(wp, xp, i, ahead, &mut put),
-                (4, 3) => tile_avx512::<4, 3>(wp, xp, i, ahead, &mut put),
-                (4, 2) => tile_avx512::<4, 2>(wp, xp, i, ahead, &mut put),
-                (4, _) => tile_avx512::<4, 1>(wp, xp, i, ahead, &mut put),
-                (_, 4) => tile_avx512::<1, 4>(wp, xp, i, ahead, &mut put),
-                (_, 3) => tile_avx512::<1, 3>(wp, xp, i, ahead, &mut put),
-                (_, 2) => tile_avx512::<1, 2>(wp, xp, i, ahead, &mut put),
-                _ => tile_avx512::<1, 1>(wp, xp, i, ahead, &mut put),
-            }
+            kernels[width - 1](
+                w.as_ptr().add(r * i),
+                x.as_ptr().add(c * i),
+                i,
+                ahead,
+                t.as_mut_ptr().add(r * n + c),
+                n,
+            );
             c += width;
         }
         r += step;
@@ -285,20 +348,20 @@ unsafe fn few_rows_avx512(t: &mut [f32], x: &[f32], w: &[f32], n: usize, i: usiz
 }
 
 /// `R x C` dot products of `R` weight rows at `w` with `C` rows of `x` at `x`, each `i` long,
-/// handed to `put(weight row, x row, value)`: `R * C` 16-lane accumulators, a masked load for
-/// the tail.
+/// into `t` (rows `n` apart): `R * C` 16-lane accumulators, a masked load for the tail.
 ///
 /// # Safety
-/// The CPU must have AVX-512F; `w` and `x` address `R` and `C` rows of `i` floats.
+/// The CPU must have AVX-512F; `w` and `x` address `R` and `C` rows of `i` floats, `t` `R`
+/// rows of stride `n` with `C` floats.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-#[inline]
 unsafe fn tile_avx512<const R: usize, const C: usize>(
     w: *const f32,
     x: *const f32,
     i: usize,
     ahead: *const f32,
-    put: &mut impl FnMut(usize, usize, f32),
+    t: *mut f32,
+    n: usize,
 ) {
     use std::arch::x86_64::*;
     let mut acc = [[_mm512_setzero_ps(); C]; R];
@@ -327,7 +390,66 @@ unsafe fn tile_avx512<const R: usize, const C: usize>(
     }
     for (r, acc) in acc.iter().enumerate() {
         for (c, acc) in acc.iter().enumerate() {
-            put(r, c, _mm512_reduce_add_ps(*acc));
+            *t.add(r * n + c) = _mm512_reduce_add_ps(*acc);
+        }
+    }
+}
+
+/// [`tile_avx512`] in AVX2 and FMA: `R * C` 8-lane accumulators, a masked load
+/// (`vmaskmovps`, which reads no lane it masks) for the tail, a prefetch per 16 floats.
+///
+/// # Safety
+/// The CPU must have AVX2 and FMA; `w` and `x` address `R` and `C` rows of `i` floats, `t`
+/// `R` rows of stride `n` with `C` floats.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn tile_avx2<const R: usize, const C: usize>(
+    w: *const f32,
+    x: *const f32,
+    i: usize,
+    ahead: *const f32,
+    t: *mut f32,
+    n: usize,
+) {
+    use std::arch::x86_64::*;
+    let mut acc = [[_mm256_setzero_ps(); C]; R];
+    let fma = |acc: &mut [[__m256; C]; R], wv: [__m256; R], xv: [__m256; C]| {
+        for (acc, wv) in acc.iter_mut().zip(wv) {
+            for (acc, xv) in acc.iter_mut().zip(xv) {
+                *acc = _mm256_fmadd_ps(wv, xv, *acc);
+            }
+        }
+    };
+    let mut k = 0;
+    // SAFETY (all loads): 8 floats at `k + 8 <= i` of each row.
+    while k + 8 <= i {
+        if !ahead.is_null() && k % 16 == 0 {
+            for r in 0..R {
+                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(r * i + k).cast());
+            }
+        }
+        let xv = std::array::from_fn(|c| _mm256_loadu_ps(x.add(c * i + k)));
+        let wv = std::array::from_fn(|r| _mm256_loadu_ps(w.add(r * i + k)));
+        fma(&mut acc, wv, xv);
+        k += 8;
+    }
+    if k < i {
+        // SAFETY: the mask's lanes below `i - k` only, the floats that exist.
+        let lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        let mask = _mm256_cmpgt_epi32(_mm256_set1_epi32((i - k) as i32), lanes);
+        let xv = std::array::from_fn(|c| _mm256_maskload_ps(x.add(c * i + k), mask));
+        let wv = std::array::from_fn(|r| _mm256_maskload_ps(w.add(r * i + k), mask));
+        fma(&mut acc, wv, xv);
+    }
+    for (r, acc) in acc.iter().enumerate() {
+        for (c, acc) in acc.iter().enumerate() {
+            let half = _mm_add_ps(
+                _mm256_castps256_ps128(*acc),
+                _mm256_extractf128_ps::<1>(*acc),
+            );
+            let pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
+            let one = _mm_add_ss(pair, _mm_movehdup_ps(pair));
+            *t.add(r * n + c) = _mm_cvtss_f32(one);
         }
     }
 }
@@ -922,6 +1044,71 @@ pub(crate) mod tests {
                 "{n}x{i}x{o}: {}",
                 max_diff(&fast, &slow)
             );
+        }
+    }
+
+    /// Every tile set of `few_rows` this CPU has, called directly whichever one `few_rows`
+    /// picks, against f64 dot products: groups of four weight rows and the one to three left,
+    /// every tile width, depths with and without a tail. The blocks are cut from buffers that go
+    /// on with NaN, so a read past a row of the last weight or `x` row shows.
+    #[test]
+    fn few_rows_tiles_match_f64_dots() {
+        #[cfg(target_arch = "x86_64")]
+        let sets = {
+            let mut sets: Vec<(&str, &DotTiles)> = Vec::new();
+            if is_x86_feature_detected!("avx512f") {
+                sets.push(("AVX-512", &AVX512_DOT_TILES));
+            } else {
+                eprintln!("SKIPPED: the AVX-512 dot tiles (the CPU has no AVX-512F)");
+            }
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                sets.push(("AVX2", &AVX2_DOT_TILES));
+            } else {
+                eprintln!("SKIPPED: the AVX2 dot tiles (the CPU has no AVX2 and FMA)");
+            }
+            sets
+        };
+        for (rows, n, i) in [
+            (4, 4, 256),
+            (9, 7, 640),
+            (6, 5, 33),
+            (3, 2, 7),
+            (8, 1, 8),
+            (5, 22, 100),
+            (1, 3, 16),
+        ] {
+            let with_nan = |len: usize, seed: u64| {
+                let mut v = values(len, seed);
+                v.extend([f32::NAN; 16]);
+                v
+            };
+            let (w, x) = (with_nan(rows * i, 1), with_nan(n * i, 2));
+            let (w, x) = (&w[..rows * i], &x[..n * i]);
+            let want: Vec<f32> = w
+                .chunks_exact(i)
+                .flat_map(|row| {
+                    x.chunks_exact(i).map(move |xr| {
+                        row.iter()
+                            .zip(xr)
+                            .map(|(&a, &b)| a as f64 * b as f64)
+                            .sum::<f64>() as f32
+                    })
+                })
+                .collect();
+            let bound = i as f32 * 1.2e-7 * 4.0;
+            let mut got = vec![f32::NAN; rows * n];
+            // `max_diff` passes NaN over: each check also asks for finite values.
+            let close =
+                |got: &[f32]| got.iter().all(|v| v.is_finite()) && max_diff(got, &want) < bound;
+            few_rows(&mut got, x, w, n, i);
+            assert!(close(&got), "{rows}x{n}x{i}: few_rows {got:?}");
+            #[cfg(target_arch = "x86_64")]
+            for (name, tiles) in &sets {
+                let mut got = vec![f32::NAN; rows * n];
+                // SAFETY: the CPU has the set's instructions (checked above); the shapes hold.
+                unsafe { few_rows_tiled(&mut got, x, w, n, i, tiles) };
+                assert!(close(&got), "{rows}x{n}x{i}: {name} {got:?}");
+            }
         }
     }
 
