@@ -831,6 +831,12 @@ pub fn geglu(out: &mut [f32], gate_up: &[f32], f: usize) {
                     unsafe { geglu_avx512(out, gate, up) };
                     continue;
                 }
+                #[cfg(target_arch = "x86_64")]
+                if avx2() {
+                    // SAFETY: the CPU has AVX2 and FMA.
+                    unsafe { geglu_avx2(out, gate, up) };
+                    continue;
+                }
                 geglu_plain(out, gate, up)
             }
         });
@@ -843,6 +849,17 @@ pub fn geglu(out: &mut [f32], gate_up: &[f32], f: usize) {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn geglu_avx512(out: &mut [f32], gate: &[f32], up: &[f32]) {
+    geglu_plain(out, gate, up)
+}
+
+/// [`geglu_plain`] compiled for AVX2 (8 lanes). The same operations in the same order: no
+/// FMA contraction, so its results equal the plain loop's.
+///
+/// # Safety
+/// The CPU must have AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn geglu_avx2(out: &mut [f32], gate: &[f32], up: &[f32]) {
     geglu_plain(out, gate, up)
 }
 
@@ -875,6 +892,11 @@ pub fn softmax(x: &mut [f32]) {
         // SAFETY: the CPU has AVX-512F.
         return unsafe { softmax_avx512(x) };
     }
+    #[cfg(target_arch = "x86_64")]
+    if avx2() {
+        // SAFETY: the CPU has AVX2 and FMA.
+        return unsafe { softmax_avx2(x) };
+    }
     softmax_plain(x)
 }
 
@@ -885,6 +907,16 @@ pub fn softmax(x: &mut [f32]) {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn softmax_avx512(x: &mut [f32]) {
+    softmax_plain(x)
+}
+
+/// [`softmax_plain`] compiled for AVX2 (8 lanes), with the same results.
+///
+/// # Safety
+/// The CPU must have AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn softmax_avx2(x: &mut [f32]) {
     softmax_plain(x)
 }
 
@@ -1269,6 +1301,52 @@ pub(crate) mod tests {
         assert!((gelu_tanh(-1.0) + 0.158_808).abs() < 1e-6);
         assert!((gelu_tanh(3.0) - 2.996_363).abs() < 1e-6);
         assert_eq!(gelu_tanh(0.0), 0.0);
+    }
+
+    /// The AVX-512 and AVX2 builds of the softmax and the GeGLU loop (whichever this CPU has)
+    /// give the plain loop's results bit for bit: the same operations in the same order.
+    #[test]
+    fn softmax_and_geglu_builds_equal_the_plain_loops() {
+        #[cfg(target_arch = "x86_64")]
+        {
+            type Builds = (
+                &'static str,
+                unsafe fn(&mut [f32]),
+                unsafe fn(&mut [f32], &[f32], &[f32]),
+            );
+            let mut builds: Vec<Builds> = Vec::new();
+            if is_x86_feature_detected!("avx512f") {
+                builds.push(("AVX-512", softmax_avx512, geglu_avx512));
+            } else {
+                eprintln!("SKIPPED: the AVX-512 builds (the CPU has no AVX-512F)");
+            }
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                builds.push(("AVX2", softmax_avx2, geglu_avx2));
+            } else {
+                eprintln!("SKIPPED: the AVX2 builds (the CPU has no AVX2 and FMA)");
+            }
+            for len in [1, 7, 16, 33, 1000] {
+                let mut x: Vec<f32> = values(len, 11).iter().map(|v| 30.0 * v).collect();
+                x[len / 2] = f32::NEG_INFINITY;
+                let (gate, up) = (x.clone(), values(len, 12));
+                let mut want = x.clone();
+                softmax_plain(&mut want);
+                let mut want_geglu = vec![0.0; len];
+                geglu_plain(&mut want_geglu, &gate, &up);
+                for (name, softmax, geglu) in &builds {
+                    let mut got = x.clone();
+                    let mut got_geglu = vec![0.0; len];
+                    // SAFETY: the CPU has the build's instructions (checked above).
+                    unsafe {
+                        softmax(&mut got);
+                        geglu(&mut got_geglu, &gate, &up);
+                    }
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&got), bits(&want), "{name} softmax, {len}");
+                    assert_eq!(bits(&got_geglu), bits(&want_geglu), "{name} geglu, {len}");
+                }
+            }
+        }
     }
 
     #[test]
