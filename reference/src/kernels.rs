@@ -885,7 +885,7 @@ pub fn gather_rows(table: &[f32], width: usize, ids: &[u32]) -> Vec<f32> {
 }
 
 /// In-place softmax in f32 with max subtraction; exponentials by [`exp_approx`], vectorised
-/// (16 lanes where the CPU has AVX-512F).
+/// (16 lanes where the CPU has AVX-512F, 8 where it has AVX2).
 pub fn softmax(x: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if avx512f() {
