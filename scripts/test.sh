@@ -6,10 +6,12 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # The run needs about 3.5 GB of disk (target/ 0.9, .venv/ 0.9, models/ 1.3, downloads): say
 # up front how much there is, so that a run that fills the disk reads as what it is.
 df -h "$ROOT" | awk 'NR == 2 { print "test.sh: " $4 " of disk free under " $6 }'
+# Each step says how long the run has taken so far, so a slow step shows in the log.
+section() { echo "== $1 ($((SECONDS / 60)) min $((SECONDS % 60)) s in)"; }
 source "$ROOT/scripts/setup.sh"
 cd "$ROOT"
 
-echo "== format and lints"
+section "format and lints"
 cargo fmt --all -- --check
 # The reliability rows also run on iree-vulkan (lavapipe here): about 3 minutes more.
 FEATURES=kvsnap-reliability/iree-vulkan
@@ -17,19 +19,19 @@ cargo clippy --release --workspace --all-targets --features "$FEATURES" -- -D wa
 # Public items are documented and every intra-doc link resolves.
 RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --workspace --release
 
-echo "== cargo test (release, real model required)"
+section "cargo test (release, real model required)"
 export KVSNAP_REQUIRE_MODEL=1
 export KVSNAP_MODEL_DIR="$ROOT/models/gemma-3-270m"
 cargo test --release --workspace --no-fail-fast --features "$FEATURES"
 
-echo "== parity: tiny model goldens, every backend (iree-vulkan on lavapipe)"
+section "parity: tiny model goldens, every backend (iree-vulkan on lavapipe)"
 TINY="$ROOT/target/kvsnap-tiny"
 "$KVSNAP" tiny-model --out "$TINY"
 for backend in reference iree-cpu iree-vulkan; do
     "$KVSNAP" parity --model "$TINY" --goldens goldens/tiny.json --backend "$backend"
 done
 
-echo "== parity: real model, visible oracle goldens"
+section "parity: real model, visible oracle goldens"
 REAL_GOLDENS=goldens/gemma-3-270m.visible.json
 "$KVSNAP" parity --model models/gemma-3-270m --goldens "$REAL_GOLDENS" --backend reference
 "$KVSNAP" parity --model models/gemma-3-270m --goldens "$REAL_GOLDENS" --backend iree-cpu
@@ -38,16 +40,16 @@ REAL_GOLDENS=goldens/gemma-3-270m.visible.json
 "$KVSNAP" parity --model models/gemma-3-270m --goldens "$REAL_GOLDENS" --backend iree-vulkan \
     --cases short,catalog_tv
 
-echo "== the reference's portable kernels (what ARM CPUs run: no AVX-512 or AVX2)"
+section "the reference's portable kernels (what ARM CPUs run: no AVX-512 or AVX2)"
 # The x86 kernels kept off by KVSNAP_PORTABLE_KERNELS: the reference's tests and its real
 # goldens through the kernels no run above reaches on an x86 machine (about 40 s).
 KVSNAP_PORTABLE_KERNELS=1 cargo test --release -p kvsnap-reference
 KVSNAP_PORTABLE_KERNELS=1 "$KVSNAP" parity --model models/gemma-3-270m --goldens "$REAL_GOLDENS" \
     --backend reference
-echo "== JNI: the reference-only library (no IREE feature), its lints and Rust tests"
+section "JNI: the reference-only library (no IREE feature), its lints and Rust tests"
 cargo clippy --release -p kvsnap-jni --no-default-features --all-targets -- -D warnings
 cargo test --release -p kvsnap-jni --no-default-features
 
-echo "== JNI: the Java API and test against the built cdylib"
+section "JNI: the Java API and test against the built cdylib"
 bash scripts/test-jni.sh
-echo "test.sh: all passed"
+echo "test.sh: all passed in $((SECONDS / 60)) min $((SECONDS % 60)) s"
