@@ -29,7 +29,7 @@ pub struct Args {
     /// Golden set to check against (format kvsnap-goldens, version 1).
     #[arg(long)]
     pub goldens: PathBuf,
-    /// Backend to check: `reference` (`iree-cpu` and `iree-vulkan` are planned).
+    /// Backend to check: `reference`, `iree-cpu` or `iree-vulkan`.
     #[arg(long, default_value_t = Backend::Reference)]
     pub backend: Backend,
     /// Absolute tolerance on logits and log-sum-exp; oracle margins up to twice it are near-ties.
