@@ -47,7 +47,7 @@ pub(crate) fn avx2() -> bool {
 /// `gemm` crate, whose NEON and AVX2 kernels beat `matmul_few`'s portable dot products
 /// (through the portable kernels on an AVX-512 host, the catalog's 22-token extend 173 -> 93
 /// ms, its prefill 1.82 -> 1.52 s) but not its AVX2 tiles on a few rows (a Zen 3 host, 22 rows:
-/// the layers' products 1.8-2.7x faster, docs/BENCHMARKS.md, seventeenth pass). All parallel
+/// the layers' products 1.4-2.8x faster, docs/BENCHMARKS.md, seventeenth pass). All parallel
 /// over rayon's pool.
 ///
 /// # Shapes
