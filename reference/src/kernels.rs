@@ -1347,6 +1347,8 @@ pub(crate) mod tests {
                 }
             }
         }
+        #[cfg(not(target_arch = "x86_64"))]
+        eprintln!("SKIPPED: the x86 builds of softmax and GeGLU (not an x86-64 CPU)");
     }
 
     #[test]
