@@ -41,8 +41,11 @@ pub(crate) fn avx2() -> bool {
 
 /// `out[n, o] = x[n, i] . w[o, i]^T`: a batch of rows times an HF `[out, in]` weight.
 ///
-/// One row is [`matvec`]. Where the AVX-512F or the AVX2 kernels run, up to [`FEW_ROWS`] rows
-/// are [`matmul_few`]; more (a prefill) are a blocked GEMM with 12 x 32 AVX-512 register tiles
+/// Where the AVX-512F kernels run, one row is [`matvec`] and up to [`FEW_ROWS`] rows are
+/// [`matmul_few`]; where the AVX2 ones do, `matmul_few` takes one row too (its 4 x 1 tiles and
+/// prefetch against `matvec`'s baseline dot products: the 18 layers' decode matvecs from
+/// memory 5% faster in the median of 40 interleaved rounds on a Zen 3 host, docs/BENCHMARKS.md,
+/// eighteenth pass). More (a prefill) are a blocked GEMM with 12 x 32 AVX-512 register tiles
 /// (the private `blocked` module) where the CPU has AVX-512F. Everything else goes to the
 /// `gemm` crate, whose NEON and AVX2 kernels beat `matmul_few`'s portable dot products
 /// (through the portable kernels on an AVX-512 host, the catalog's 22-token extend 173 -> 93
@@ -59,11 +62,11 @@ pub fn matmul(out: &mut [f32], x: &[f32], w: &[f32], n: usize, i: usize, o: usiz
     if n == 0 || o == 0 {
         return;
     }
-    if n == 1 {
-        return matvec(out, x, w, i, o);
-    }
     #[cfg(target_arch = "x86_64")]
     if avx512f() {
+        if n == 1 {
+            return matvec(out, x, w, i, o);
+        }
         if n <= FEW_ROWS {
             return matmul_few(out, x, w, n, i, o);
         }
@@ -71,10 +74,11 @@ pub fn matmul(out: &mut [f32], x: &[f32], w: &[f32], n: usize, i: usize, o: usiz
             // SAFETY: the CPU has AVX-512F, the lengths are asserted above, the depth checked.
             return unsafe { blocked::matmul_avx512(out, x, w, n, i, o) };
         }
-    }
-    #[cfg(target_arch = "x86_64")]
-    if avx2() && n <= FEW_ROWS {
+    } else if avx2() && n <= FEW_ROWS {
         return matmul_few(out, x, w, n, i, o);
+    }
+    if n == 1 {
+        return matvec(out, x, w, i, o);
     }
     matmul_gemm_crate(out, x, w, n, i, o)
 }
@@ -206,7 +210,8 @@ const FEW_AHEAD_GROUPS: usize = 2;
 /// ahead: without it a group's rows arrived only as its first tile read them (a 22-token
 /// extend after an 860-token prefix, when the layers still ran here: five interleaved runs of
 /// 30, p50 74.7-85.5 -> 66.3-80.5 ms, faster in each; docs/BENCHMARKS.md, fourteenth pass).
-/// Computed as `out^T` (each task owns whole rows of it), then transposed.
+/// Computed as `out^T` (each task owns whole rows of it), then transposed (one row is its own
+/// transpose, computed in place).
 pub fn matmul_few(out: &mut [f32], x: &[f32], w: &[f32], n: usize, i: usize, o: usize) {
     assert_eq!(out.len(), n * o, "matmul_few: out");
     assert_eq!(x.len(), n * i, "matmul_few: x");
@@ -215,6 +220,13 @@ pub fn matmul_few(out: &mut [f32], x: &[f32], w: &[f32], n: usize, i: usize, o: 
         return;
     }
     const ROWS: usize = 64;
+    if n == 1 {
+        // `out^T` is `out`.
+        out.par_chunks_mut(ROWS)
+            .zip(w.par_chunks(ROWS * i))
+            .for_each(|(out, w)| few_rows(out, x, w, 1, i));
+        return;
+    }
     let mut t = vec![0.0f32; o * n]; // [o, n]
     t.par_chunks_mut(ROWS * n)
         .zip(w.par_chunks(ROWS * i))
@@ -457,7 +469,9 @@ unsafe fn tile_avx2<const R: usize, const C: usize>(
 /// `out[o] = w[o, i] . x[i]`: weight-stationary matrix-vector product for decode.
 ///
 /// Each weight row is read once, in order, by one core; rows are split into cache-sized
-/// blocks across rayon's pool.
+/// blocks across rayon's pool. The tied head's full logits run it on every CPU (each row's sum
+/// as [`dot`] computes it, which `crate::head`'s f32 recomputation relies on), and so does a
+/// one-row [`matmul`] where neither the AVX2 tiles nor the packed AVX-512 panels apply.
 pub fn matvec(out: &mut [f32], x: &[f32], w: &[f32], i: usize, o: usize) {
     assert_eq!(out.len(), o, "matvec: out");
     assert_eq!(x.len(), i, "matvec: x");
@@ -641,7 +655,7 @@ pub fn matmul_naive(out: &mut [f32], x: &[f32], w: &[f32], n: usize, i: usize, o
 /// Dot product: four 16-lane FMA accumulators where the CPU has AVX-512F, otherwise eight
 /// independent accumulators (so that the baseline build vectorises).
 ///
-/// Decode's matvecs run this loop (with a prefetch, [`matvec`]) over weights from memory. On an
+/// [`matvec`] runs this loop (with a prefetch) over weights from memory. On an
 /// Ice Lake server the baseline's single 4-lane add chain keeps a core at about 6 GB/s, below
 /// what memory delivers; the AVX-512 loop streams the real head and layers at 17-19 GB/s on 2
 /// cores, against 11-12 GB/s (docs/BENCHMARKS.md, fourth pass).
@@ -1054,6 +1068,7 @@ pub(crate) mod tests {
             (2, 16, 4),
             (33, 256, 640),
             (1, 2048, 640),
+            (1, 33, 7), // one row: a 4x1 tile and three 1x1 over a masked tail
             (5, 3, 1),
             (FEW_ROWS + 1, 3, 5), // the blocked GEMM: one partial panel, a 5-row band
             (97, 640, 1024),      // eight 12-row bands and a 1-row one, three depth blocks
