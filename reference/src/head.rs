@@ -32,6 +32,8 @@
 //! logits, lowest id first, is the argmax of all of them. On Gemma 3 270M's real weights one
 //! to a few rows remain (docs/BENCHMARKS.md, twelfth pass).
 
+use std::sync::Mutex;
+
 use rayon::prelude::*;
 
 use crate::kernels::{dot, matvec_q8_i16, q8_i16_limit};
@@ -49,6 +51,9 @@ pub struct TiedHead {
     norm_a: Vec<f32>,
     /// Whether every bound is finite (so every weight is): the bound assumes it.
     finite: bool,
+    /// `[vocab]`: the screen's sums, kept from call to call so that a decode step allocates no
+    /// buffer of the vocabulary's size (a call that finds it in use allocates its own).
+    sums: Mutex<Vec<i32>>,
 }
 
 impl TiedHead {
@@ -99,6 +104,7 @@ impl TiedHead {
             slack,
             norm_a,
             finite,
+            sums: Mutex::new(Vec::new()),
         }
     }
 
@@ -112,7 +118,10 @@ impl TiedHead {
         let (hidden, vocab) = (self.hidden, self.slack.len());
         assert_eq!(table.len(), vocab * hidden, "TiedHead::argmax: table");
         assert_eq!(h.len(), hidden, "TiedHead::argmax: h");
-        let screen = self.screen(h)?;
+        let (mut kept, mut own) = (self.sums.try_lock().ok(), Vec::new());
+        let sums = kept.as_deref_mut().unwrap_or(&mut own);
+        sums.resize(vocab, 0);
+        let screen = self.screen(h, sums)?;
         // Rows in blocks: one rayon task a block, each block's scores and bounds computed once
         // into a buffer by a loop the compiler vectorises. A block keeps the rows that reach
         // its own best lower bound, a superset of those that reach the global one.
@@ -147,7 +156,7 @@ impl TiedHead {
 
     /// Every row's exact `q·x` for `h` rounded to int16 steps (module documentation), with
     /// what the bounds need; `None` where they do not hold (a weight or `h` not finite).
-    fn screen(&self, h: &[f32]) -> Option<Screen> {
+    fn screen<'s>(&self, h: &[f32], sums: &'s mut [i32]) -> Option<Screen<'s>> {
         let (hidden, vocab) = (self.hidden, self.slack.len());
         let norm = h
             .iter()
@@ -180,8 +189,7 @@ impl TiedHead {
             .map(|(&v, &x)| (delta * f64::from(x) - f64::from(v)).powi(2))
             .sum::<f64>()
             .sqrt();
-        let mut sums = vec![0; vocab];
-        matvec_q8_i16(&mut sums, &x, &self.q, hidden, vocab);
+        matvec_q8_i16(sums, &x, &self.q, hidden, vocab);
         Some(Screen {
             sums,
             delta,
@@ -213,9 +221,9 @@ impl TiedHead {
 }
 
 /// The screen of one call of [`TiedHead::argmax`].
-struct Screen {
+struct Screen<'s> {
     /// `[vocab]`: each row's `q·x`, exact.
-    sums: Vec<i32>,
+    sums: &'s [i32],
     /// The step `δ` of `x`.
     delta: f64,
     /// `|h|`.
@@ -227,7 +235,7 @@ struct Screen {
 /// Rows per block of [`TiedHead::argmax`]'s pass over the screen's scores.
 const SCREEN_BLOCK: usize = 2048;
 
-impl Screen {
+impl Screen<'_> {
     /// The best lower bound among rows `range` (at most [`SCREEN_BLOCK`]) and the rows whose
     /// upper bound reaches it, compiled for AVX-512 where the CPU has it (the loops are f64:
     /// 2 lanes in the baseline build; 0.26 ms of a decode step, 1.1% of its samples, before).
@@ -316,7 +324,8 @@ mod tests {
         let norm = h.iter().map(|&v| f64::from(v).powi(2)).sum::<f64>().sqrt();
         let mut exact = vec![0.0; vocab];
         matvec(&mut exact, &h, &table, hidden, vocab);
-        let screen = head.screen(&h).unwrap();
+        let mut sums = vec![0; vocab];
+        let screen = head.screen(&h, &mut sums).unwrap();
         assert_eq!(screen.norm, norm);
         assert!(screen.err > 0.0, "h is rounded to int16 steps");
         let mut widest = 0f64;
@@ -390,6 +399,30 @@ mod tests {
                 "state {seed}"
             );
         }
+    }
+
+    /// Calls from several threads at once share one head: one of them screens into the kept
+    /// buffer, the others into their own, and each gets its own state's token.
+    #[test]
+    fn argmax_from_threads_at_once() {
+        let (hidden, vocab) = (64, 3000);
+        let table = values(vocab * hidden, 31);
+        let head = TiedHead::new(&table, hidden);
+        std::thread::scope(|scope| {
+            for thread in 0..4u64 {
+                let (head, table) = (&head, &table);
+                scope.spawn(move || {
+                    for seed in 0..40 {
+                        let h = values(hidden, 5000 + 100 * thread + seed);
+                        assert_eq!(
+                            head.argmax(table, &h),
+                            Some(full_argmax(table, &h, hidden)),
+                            "thread {thread}, state {seed}"
+                        );
+                    }
+                });
+            }
+        });
     }
 
     /// A weight or hidden value that is not finite voids the bound: `None`, never a guess.
