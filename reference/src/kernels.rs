@@ -63,10 +63,14 @@ pub fn matmul(out: &mut [f32], x: &[f32], w: &[f32], n: usize, i: usize, o: usiz
         return;
     }
     #[cfg(target_arch = "x86_64")]
+    if avx2() && !avx512f() && n <= FEW_ROWS {
+        return matmul_few(out, x, w, n, i, o);
+    }
+    if n == 1 {
+        return matvec(out, x, w, i, o);
+    }
+    #[cfg(target_arch = "x86_64")]
     if avx512f() {
-        if n == 1 {
-            return matvec(out, x, w, i, o);
-        }
         if n <= FEW_ROWS {
             return matmul_few(out, x, w, n, i, o);
         }
@@ -74,11 +78,6 @@ pub fn matmul(out: &mut [f32], x: &[f32], w: &[f32], n: usize, i: usize, o: usiz
             // SAFETY: the CPU has AVX-512F, the lengths are asserted above, the depth checked.
             return unsafe { blocked::matmul_avx512(out, x, w, n, i, o) };
         }
-    } else if avx2() && n <= FEW_ROWS {
-        return matmul_few(out, x, w, n, i, o);
-    }
-    if n == 1 {
-        return matvec(out, x, w, i, o);
     }
     matmul_gemm_crate(out, x, w, n, i, o)
 }
@@ -220,20 +219,22 @@ pub fn matmul_few(out: &mut [f32], x: &[f32], w: &[f32], n: usize, i: usize, o: 
         return;
     }
     const ROWS: usize = 64;
-    if n == 1 {
-        // `out^T` is `out`.
-        out.par_chunks_mut(ROWS)
-            .zip(w.par_chunks(ROWS * i))
-            .for_each(|(out, w)| few_rows(out, x, w, 1, i));
-        return;
-    }
-    let mut t = vec![0.0f32; o * n]; // [o, n]
+    // `[o, n]`; one row is its own transpose, computed in `out`.
+    let mut transposed = Vec::new();
+    let t: &mut [f32] = if n == 1 {
+        out
+    } else {
+        transposed.resize(o * n, 0.0f32);
+        &mut transposed
+    };
     t.par_chunks_mut(ROWS * n)
         .zip(w.par_chunks(ROWS * i))
         .for_each(|(t, w)| few_rows(t, x, w, n, i));
-    for (r, out) in out.chunks_exact_mut(o).enumerate() {
-        for (c, out) in out.iter_mut().enumerate() {
-            *out = t[c * n + r];
+    if n > 1 {
+        for (r, out) in out.chunks_exact_mut(o).enumerate() {
+            for (c, out) in out.iter_mut().enumerate() {
+                *out = transposed[c * n + r];
+            }
         }
     }
 }

@@ -71,14 +71,13 @@ fn a_greedy_decode_step_allocates_nothing_of_vocabulary_size() {
     let tensors = random_weights(&cfg, DEFAULT_SEED);
     write_safetensors(&dir.join("model.safetensors"), &tensors, None).expect("write weights");
     let model = ReferenceModel::load(&dir).expect("load the model");
-    let vocab = VOCAB;
     let prompt: Vec<u32> = (0..20).map(|i| 2 + (i * 37) % 500).collect();
     let (mut kv, mut next) = model.prefill(&prompt, Logits::Skip).expect("prefill");
     // The first step grows the global layers' K/V past the prefill's exact size (a `Vec`
     // doubling, once per doubling of the sequence, not per step); the next 15 fit.
     next = model.step(&mut kv, next.token, Logits::Skip).expect("step");
     // The smallest vocabulary-sized buffer: the screen's i32 sums (logits would be f32).
-    LARGE.store(vocab * std::mem::size_of::<i32>(), Ordering::SeqCst);
+    LARGE.store(VOCAB * std::mem::size_of::<i32>(), Ordering::SeqCst);
     COUNTING.store(true, Ordering::SeqCst);
     for _ in 0..15 {
         next = model.step(&mut kv, next.token, Logits::Skip).expect("step");
@@ -87,7 +86,7 @@ fn a_greedy_decode_step_allocates_nothing_of_vocabulary_size() {
     assert_eq!(
         LARGE_SEEN.load(Ordering::SeqCst),
         0,
-        "15 greedy steps allocated buffers of at least {vocab} x 4 bytes (largest {} bytes)",
+        "15 greedy steps allocated buffers of at least {VOCAB} x 4 bytes (largest {} bytes)",
         LARGEST.load(Ordering::SeqCst)
     );
     // The counter saw the steps' allocations at all (it would pass vacuously if it did not).
