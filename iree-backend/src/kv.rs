@@ -18,6 +18,20 @@
 //! length and the set's old mark, so the result is byte for byte what a fresh zero set plus a
 //! whole copy would hold.
 //!
+//! # A restore moves what the turn changed
+//! The catalog's loop restores one snapshot per request: copy the prefix's state into a working
+//! set, extend it by the request, decode, release it, and again. The released set still holds
+//! the snapshot's rows, except what the turn wrote: full-layer rows at or above the
+//! snapshot's length (the turn only appends) and the ring rows its chunk calls wrote. So each
+//! state carries a **stamp** (new whenever its contents change: created, or about to be
+//! written by a chunk call) and, when it began as a copy, the stamp of its source then and
+//! the ring rows written since ([`Since`]). A copy of a source whose stamp is the one a free
+//! set was copied from takes that set and moves only those ring rows back (plus the
+//! positions table), zeroing the full-layer rows the turn appended as any recycled set's are:
+//! the result is byte for byte a whole copy's. For an 860-token prefix of Gemma 3 270M and a
+//! 37-row turn that is about 1.2 MB moved instead of 25 MB. A source written since (its stamp
+//! changed) gets a whole copy.
+//!
 //! # A spare set, faulted in beside the prefill
 //! On the CPU device a new set is `calloc`'d memory that the kernel maps page by page as it is
 //! first written, so the first snapshot of a prefix paid a page fault per 4 KiB of the rows it
@@ -30,12 +44,13 @@
 //! never snapshots pays those pages (about 20 MiB for an 860-token prefix) until its first
 //! states are gone, and its later states allocate as before.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
 use kvsnap_contract::{Error, Result};
 
-use crate::graphs::KvLayout;
+use crate::graphs::{KvLayout, RingGeometry};
 use crate::runtime::{BufferView, Device, DeviceKind, ElementType, Transfer};
 
 /// Free buffer sets a model keeps at most: a restored working state and one more (the state a
@@ -55,6 +70,11 @@ pub struct IreeKv {
     pub(crate) bufs: Vec<BufferView>, // [layer][k, v], then sliding.positions
     /// Set when a device call failed midway: the buffers may hold part of an update.
     pub(crate) poisoned: Option<String>,
+    /// Identifies the contents: new when the state starts and before each chunk call.
+    stamp: u64,
+    /// For a state started as a copy: its source's stamp then, and the ring rows written
+    /// since (module docs).
+    since: Option<Since>,
     pool: Arc<KvPool>,
 }
 
@@ -65,16 +85,55 @@ impl IreeKv {
         &self.bufs
     }
 
-    /// A state over `set` (counted live in `pool` until dropped).
-    fn new(pool: &Arc<KvPool>, len: usize, set: FreeSet) -> IreeKv {
+    /// A state over `set` (counted live in `pool` until dropped), with a new stamp.
+    fn new(pool: &Arc<KvPool>, len: usize, set: FreeSet, since: Option<Since>) -> IreeKv {
         pool.lock().live += 1;
         IreeKv {
             len,
             written: set.written,
             bufs: set.bufs,
             poisoned: None,
+            stamp: pool.next_stamp(),
+            since,
             pool: Arc::clone(pool),
         }
+    }
+
+    /// Records a chunk call of `rows` rows (padding included) about to run at the state's end:
+    /// it writes full-layer rows up to `len + rows` and ring rows `len % modulus ..` (see
+    /// [`crate::graphs::RingGeometry`]), so the contents get a new stamp.
+    pub(crate) fn will_write(&mut self, rows: usize) {
+        let pool = &self.pool;
+        self.written = self.written.max((self.len + rows).min(pool.capacity));
+        self.stamp = pool.next_stamp();
+        if let Some(since) = &mut self.since {
+            let start = self.len % pool.ring.modulus;
+            let end = (start + rows).min(since.ring_rows.len());
+            since.ring_rows[start..end].fill(true);
+        }
+    }
+}
+
+/// What a state started as a copy has changed since (module docs).
+#[derive(Debug)]
+struct Since {
+    /// The source's stamp when it was copied.
+    source: u64,
+    /// Per ring row: written since.
+    ring_rows: Vec<bool>,
+}
+
+impl Since {
+    /// The runs of written ring rows, as row ranges.
+    fn ring_runs(&self) -> Vec<std::ops::Range<usize>> {
+        let mut runs: Vec<std::ops::Range<usize>> = Vec::new();
+        for (row, _) in self.ring_rows.iter().enumerate().filter(|(_, &w)| w) {
+            match runs.last_mut() {
+                Some(run) if run.end == row => run.end += 1,
+                _ => runs.push(row..row + 1),
+            }
+        }
+        runs
     }
 }
 
@@ -84,6 +143,7 @@ impl Drop for IreeKv {
             bufs: std::mem::take(&mut self.bufs),
             written: self.written,
             zero: false,
+            since: self.since.take(),
         };
         // A poisoned state's buffers may hold half an update, so they are not recycled.
         self.pool.put_back(set, self.poisoned.is_none());
@@ -96,6 +156,8 @@ struct FreeSet {
     written: usize,
     /// Every byte of every buffer is zero (a new set on the CPU device).
     zero: bool,
+    /// What the set's last state changed since it was copied (module docs).
+    since: Option<Since>,
 }
 
 /// What the transfers of a state's start must know about each KV buffer.
@@ -103,7 +165,10 @@ struct FreeSet {
 enum BufKind {
     /// A full layer's `[capacity, kv_heads, head_dim]` buffer: position `p` in row `p`.
     Rows { row_bytes: usize },
-    /// A sliding ring or the positions table: copied or zeroed whole.
+    /// A sliding layer's `[ring.rows, kv_heads, head_dim]` ring: copied whole, or only the rows
+    /// written since (module docs); zeroed whole.
+    Ring { row_bytes: usize },
+    /// The positions table: copied or zeroed whole.
     Whole,
 }
 
@@ -117,6 +182,11 @@ pub struct KvPool {
     specs: Vec<(Vec<usize>, ElementType)>,
     kinds: Vec<BufKind>,
     capacity: usize,
+    ring: RingGeometry,
+    /// The last stamp handed out ([`IreeKv`]'s contents).
+    stamps: AtomicU64,
+    /// Bytes the copies ([`KvPool::copy`]) have moved, zero fills not counted.
+    copied_bytes: AtomicU64,
     inner: Mutex<PoolInner>,
 }
 
@@ -145,28 +215,45 @@ struct PoolInner {
 
 impl KvPool {
     /// The pool for KV buffers of `specs` (manifest KV order, ending with the sliding positions
-    /// table), where layer `l` has buffers `2l` (K) and `2l + 1` (V) laid out as `layouts[l]`.
+    /// table), where layer `l` has buffers `2l` (K) and `2l + 1` (V) laid out as `layouts[l]`,
+    /// the sliding layers' as `ring`.
     pub(crate) fn new(
         specs: Vec<(Vec<usize>, ElementType)>,
         layouts: &[KvLayout],
         capacity: usize,
+        ring: RingGeometry,
     ) -> Arc<KvPool> {
         let kinds = specs
             .iter()
             .enumerate()
-            .map(|(i, (dims, elem))| match layouts.get(i / 2) {
-                Some(KvLayout::Full) => BufKind::Rows {
-                    row_bytes: dims[1..].iter().product::<usize>() * elem.size(),
-                },
-                Some(KvLayout::Ring) | None => BufKind::Whole,
+            .map(|(i, (dims, elem))| {
+                let row_bytes = dims[1..].iter().product::<usize>() * elem.size();
+                match layouts.get(i / 2) {
+                    Some(KvLayout::Full) => BufKind::Rows { row_bytes },
+                    Some(KvLayout::Ring) => BufKind::Ring { row_bytes },
+                    None => BufKind::Whole,
+                }
             })
             .collect();
         Arc::new(KvPool {
             specs,
             kinds,
             capacity,
+            ring,
+            stamps: AtomicU64::new(0),
+            copied_bytes: AtomicU64::new(0),
             inner: Mutex::new(PoolInner::default()),
         })
+    }
+
+    fn next_stamp(&self) -> u64 {
+        self.stamps.fetch_add(1, Ordering::Relaxed) + 1
+    }
+
+    /// Bytes the pool's copies (snapshots and restores) have moved so far; zero fills are not
+    /// counted.
+    pub fn copied_bytes(&self) -> u64 {
+        self.copied_bytes.load(Ordering::Relaxed)
     }
 
     /// The pool's state; a panic elsewhere while it was held leaves nothing half done (every
@@ -227,6 +314,7 @@ impl KvPool {
                 bufs,
                 written: 0,
                 zero: true,
+                since: None,
             })
         };
         // Without a thread there is no spare: the snapshot allocates its set as before.
@@ -247,11 +335,18 @@ impl KvPool {
     /// pages (17-30 ms on a Zen 4 VM) where its copy needs the live rows' half of them; a short
     /// chat held the whole capacity resident.
     ///
-    /// With no free set, the spare (module docs) is next, waited for if it is still being
-    /// faulted in.
-    fn take(&self, device: &Device) -> Result<FreeSet> {
+    /// A copy of the source stamped `source` takes the free set copied from it, if one is
+    /// (module docs). With no free set, the spare (module docs) is next, waited for if it is
+    /// still being faulted in.
+    fn take(&self, device: &Device, source: Option<u64>) -> Result<FreeSet> {
         let spare = {
             let mut inner = self.lock();
+            let copied_from_source = inner.free.iter().rposition(|set| {
+                source.is_some() && set.since.as_ref().map(|s| s.source) == source
+            });
+            if let Some(i) = copied_from_source {
+                return Ok(inner.free.remove(i));
+            }
             if let Some(set) = inner.free.pop() {
                 return Ok(set);
             }
@@ -266,6 +361,7 @@ impl KvPool {
             bufs,
             written: if zero { 0 } else { self.capacity },
             zero,
+            since: None,
         })
     }
 
@@ -281,19 +377,20 @@ impl KvPool {
     /// (the prefill's tokens): a model's first state starts the spare set with as many
     /// ([`KvPool::start_spare`]).
     pub(crate) fn zeros(self: &Arc<Self>, device: &Device, rows: usize) -> Result<IreeKv> {
-        let set = self.take(device)?;
+        let set = self.take(device, None)?;
         self.start_spare(device, rows);
         if set.zero {
-            return Ok(IreeKv::new(self, 0, set));
+            return Ok(IreeKv::new(self, 0, set, None));
         }
         let ops = zero_fills(&self.kinds, &set.bufs, set.written.min(self.capacity));
         BufferView::transfer(device, &ops)?;
         let set = FreeSet { written: 0, ..set };
-        Ok(IreeKv::new(self, 0, set))
+        Ok(IreeKv::new(self, 0, set, None))
     }
 
     /// An independent copy of `src` (a state of this pool's model): what it holds is copied,
-    /// the rest of a recycled set zeroed (module docs).
+    /// the rest of a recycled set zeroed; into a set copied from `src` before, only what that
+    /// set's state wrote since (module docs).
     pub(crate) fn copy(self: &Arc<Self>, device: &Device, src: &IreeKv) -> Result<IreeKv> {
         if !Arc::ptr_eq(&src.pool, self) {
             return Err(Error::Backend {
@@ -302,18 +399,25 @@ impl KvPool {
                 status: "the state belongs to another model".into(),
             });
         }
-        let set = self.take(device)?;
+        let set = self.take(device, Some(src.stamp))?;
         let live = src.len.min(self.capacity);
+        // Copied from `src` as it is now: its full-layer rows `..live` are still `src`'s (the
+        // set's state only appended), and so are its ring rows but the ones written since.
+        let since = set.since.as_ref().filter(|s| s.source == src.stamp);
+        let ring_runs = since.map(Since::ring_runs);
         let mut ops = Vec::with_capacity(2 * set.bufs.len());
         for ((from, dst), kind) in src.bufs.iter().zip(&set.bufs).zip(&self.kinds) {
-            match *kind {
-                BufKind::Rows { row_bytes } => {
-                    ops.push(Transfer::Copy {
-                        src: from,
-                        dst,
-                        offset: 0,
-                        len: live * row_bytes,
-                    });
+            let copy = |offset, len| Transfer::Copy {
+                src: from,
+                dst,
+                offset,
+                len,
+            };
+            match (*kind, &ring_runs) {
+                (BufKind::Rows { row_bytes }, _) => {
+                    if since.is_none() {
+                        ops.push(copy(0, live * row_bytes));
+                    }
                     let stale = set.written.min(self.capacity).saturating_sub(live);
                     ops.push(Transfer::Zero {
                         dst,
@@ -321,21 +425,32 @@ impl KvPool {
                         len: stale * row_bytes,
                     });
                 }
-                BufKind::Whole => ops.push(Transfer::Copy {
-                    src: from,
-                    dst,
-                    offset: 0,
-                    len: from.byte_length(),
-                }),
+                (BufKind::Ring { row_bytes }, Some(runs)) => ops.extend(
+                    runs.iter()
+                        .map(|run| copy(run.start * row_bytes, run.len() * row_bytes)),
+                ),
+                (BufKind::Ring { .. } | BufKind::Whole, _) => ops.push(copy(0, from.byte_length())),
             }
         }
         BufferView::transfer(device, &ops)?;
+        let moved: usize = ops
+            .iter()
+            .map(|op| match op {
+                Transfer::Copy { len, .. } => *len,
+                _ => 0,
+            })
+            .sum();
+        self.copied_bytes.fetch_add(moved as u64, Ordering::Relaxed);
         drop(ops);
         let set = FreeSet {
             written: live,
             ..set
         };
-        Ok(IreeKv::new(self, src.len, set))
+        let since = Since {
+            source: src.stamp,
+            ring_rows: vec![false; self.ring.rows],
+        };
+        Ok(IreeKv::new(self, src.len, set, Some(since)))
     }
 }
 
@@ -349,7 +464,7 @@ fn zero_fills<'b>(kinds: &[BufKind], bufs: &'b [BufferView], rows: usize) -> Vec
             offset: 0,
             len: match *kind {
                 BufKind::Rows { row_bytes } => rows * row_bytes,
-                BufKind::Whole => dst.byte_length(),
+                BufKind::Ring { .. } | BufKind::Whole => dst.byte_length(),
             },
         })
         .collect()

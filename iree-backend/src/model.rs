@@ -300,7 +300,12 @@ impl IreeModel {
                 (spec.dims.clone(), elem)
             })
             .collect();
-        let kv_pool = KvPool::new(kv_specs, &g.manifest.kv_layouts, g.manifest.capacity);
+        let kv_pool = KvPool::new(
+            kv_specs,
+            &g.manifest.kv_layouts,
+            g.manifest.capacity,
+            g.manifest.ring,
+        );
         Ok(IreeModel {
             cfg,
             target: opts.target,
@@ -382,6 +387,13 @@ impl IreeModel {
     /// [`crate::kv::MAX_FREE_SETS`]; none once its last state is released).
     pub fn kv_free_sets(&self) -> usize {
         self.kv_pool.free_sets()
+    }
+
+    /// Bytes this model's snapshots and restores have copied so far (zero fills not counted):
+    /// a restore into the set of an earlier copy of the same snapshot moves only the rows that
+    /// copy's state wrote (`kvsnap_iree::kv`).
+    pub fn kv_copied_bytes(&self) -> u64 {
+        self.kv_pool.copied_bytes()
     }
 
     /// How many calls so far asked for the greedy token alone, found that the screened head
@@ -497,8 +509,8 @@ impl IreeModel {
                 }
             };
             let pos0 = BufferView::from_i32(&self.device, &[], &[kv.len as i32])?;
-            // The call writes full-layer rows up to `kv.len + c`, padding included.
-            kv.written = kv.written.max((kv.len + c).min(self.manifest.capacity));
+            // The call writes `c` rows at the state's end, padding included.
+            kv.will_write(c);
             let nvalid = BufferView::from_i32(&self.device, &[], &[valid as i32])?;
             // Only the last chunk's next token and logits are returned: the others skip the head.
             // Without logits the screened head finds the token alone, else the full head.

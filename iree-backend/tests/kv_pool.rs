@@ -93,6 +93,35 @@ fn is_full(m: &IreeModel, i: usize) -> bool {
     m.manifest().kv_layouts.get(i / 2) == Some(&KvLayout::Full)
 }
 
+/// Asserts that `copy` holds what a whole copy of `src` into a zero set would: the full layers'
+/// rows `..len` equal and the rest zero, every other buffer equal whole.
+fn assert_copy_of(m: &IreeModel, what: &str, copy: &IreeKv, src: &IreeKv) {
+    let len = m.len(src);
+    assert_eq!(m.len(copy), len, "{what}: length");
+    for (i, (from, copy)) in bytes(src).iter().zip(&bytes(copy)).enumerate() {
+        if is_full(m, i) {
+            let row = from.len() / CAPACITY;
+            let rows = format!("{what}: buffer {i}, rows ..{len}");
+            same_bytes(&rows, &[&copy[..len * row]], &[&from[..len * row]]);
+            let nonzero = copy[len * row..].iter().position(|&x| x != 0);
+            assert_eq!(nonzero, None, "{what}: buffer {i}: rows {len}.. are zero");
+        } else {
+            same_bytes(&format!("{what}: buffer {i}, whole"), &[copy], &[from]);
+        }
+    }
+}
+
+/// The bytes a whole copy of `kv` moves: the full layers' live rows, every other buffer whole.
+fn whole_copy_bytes(m: &IreeModel, kv: &IreeKv) -> u64 {
+    let buffers = kv.buffers().iter().enumerate();
+    buffers
+        .map(|(i, b)| match is_full(m, i) {
+            true => b.byte_length() / CAPACITY * m.len(kv),
+            false => b.byte_length(),
+        } as u64)
+        .sum()
+}
+
 #[test]
 fn cpu_reused_sets_hold_exactly_what_fresh_ones_would() {
     reused_sets_hold_exactly_what_fresh_ones_would(Target::LlvmCpu);
@@ -142,22 +171,7 @@ fn reused_sets_hold_exactly_what_fresh_ones_would(target: Target) {
     m.step(&mut s, 7, Logits::Skip).unwrap();
     drop(s);
     let mut c = m.snapshot(&b).unwrap();
-    let (from, copy) = (bytes(&b), bytes(&c));
-    let len = m.len(&b);
-    for (i, (from, copy)) in from.iter().zip(&copy).enumerate() {
-        if is_full(&m, i) {
-            let row = from.len() / CAPACITY;
-            let what = format!("buffer {i}, rows ..{len}");
-            same_bytes(&what, &[&copy[..len * row]], &[&from[..len * row]]);
-            let nonzero = copy[len * row..].iter().position(|&x| x != 0);
-            assert_eq!(
-                nonzero, None,
-                "buffer {i}: rows {len}.. of a snapshot are zero"
-            );
-        } else {
-            same_bytes(&format!("buffer {i}, whole"), &[copy], &[from]);
-        }
-    }
+    assert_copy_of(&m, "snapshot into a reused set", &c, &b);
     // And it computes what the original does, bit for bit.
     let mut b = b;
     let next_c = m.step(&mut c, 9, Logits::Return).unwrap();
@@ -213,18 +227,7 @@ fn cpu_first_snapshot_lands_in_the_spare_set() {
     let s = m.snapshot(&a).unwrap();
     assert_eq!(live_bytes(&m), alive + 2 * set, "the snapshot allocated");
     assert_eq!(m.kv_free_sets(), 0);
-    let (from, copy) = (bytes(&a), bytes(&s));
-    for (i, (from, copy)) in from.iter().zip(&copy).enumerate() {
-        if is_full(&m, i) {
-            let row = from.len() / CAPACITY;
-            let what = format!("buffer {i}, rows ..30");
-            same_bytes(&what, &[&copy[..30 * row]], &[&from[..30 * row]]);
-            let nonzero = copy[30 * row..].iter().position(|&x| x != 0);
-            assert_eq!(nonzero, None, "buffer {i}: rows 30.. of the spare are zero");
-        } else {
-            same_bytes(&format!("buffer {i}, whole"), &[copy], &[from]);
-        }
-    }
+    assert_copy_of(&m, "snapshot into the spare", &s, &a);
     drop((a, s));
     assert_eq!(settled(&m, alive), alive);
 
@@ -244,4 +247,96 @@ fn cpu_first_snapshot_lands_in_the_spare_set() {
         alive,
         "the untaken spare was released"
     );
+}
+
+#[test]
+fn cpu_a_restore_moves_only_what_the_last_turn_wrote() {
+    a_restore_moves_only_what_the_last_turn_wrote(Target::LlvmCpu);
+}
+
+#[test]
+fn vulkan_a_restore_moves_only_what_the_last_turn_wrote() {
+    a_restore_moves_only_what_the_last_turn_wrote(Target::VulkanSpirv);
+}
+
+/// The catalog's loop: restore one snapshot, extend and decode, release, and again. A restore
+/// into the set of the previous copy of the same snapshot moves only the ring rows that copy's
+/// turn wrote, and still holds byte for byte what a whole copy does, and computes the same
+/// logits as a fresh model; once the snapshot itself is written, the next restore copies whole.
+fn a_restore_moves_only_what_the_last_turn_wrote(target: Target) {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let Some((m, fresh)) = models(target) else {
+        return;
+    };
+    let prefix = ids(50, 9);
+    let (a, _) = m.prefill(&prefix, Logits::Skip).unwrap();
+    let mut snap = m.snapshot(&a).unwrap();
+    drop(a);
+    let whole = whole_copy_bytes(&m, &snap);
+    let copied = |restore: &dyn Fn() -> IreeKv| {
+        let before = m.kv_copied_bytes();
+        let kv = restore();
+        (kv, m.kv_copied_bytes() - before)
+    };
+
+    let (mut w, moved) = copied(&|| m.snapshot(&snap).unwrap());
+    assert_eq!(moved, whole, "the first restore copies whole");
+    m.extend(&mut w, &ids(5, 10), Logits::Skip).unwrap();
+    m.step(&mut w, 11, Logits::Skip).unwrap();
+    drop(w);
+    // What a restore may move after a turn: the positions table, and in each ring the rows of
+    // the turn's calls, the extend's padded to the smallest chunk that holds it.
+    let chunks = m.manifest().chunks.clone();
+    let ring_rows = m.manifest().ring.rows;
+    let bound = |utterance: usize, steps: usize| -> u64 {
+        let extend = chunks.iter().copied().find(|&c| c >= utterance).unwrap();
+        let buffers = snap.buffers().iter().enumerate();
+        buffers
+            .map(
+                |(i, b)| match (is_full(&m, i), i / 2 < m.manifest().kv_layouts.len()) {
+                    (true, _) => 0,
+                    (false, true) => b.byte_length() / ring_rows * (extend + steps),
+                    (false, false) => b.byte_length(),
+                } as u64,
+            )
+            .sum()
+    };
+    let mut last_turn = (5, 1);
+
+    // Turns long enough to wrap the sliding rings (a window of 6 in rows of 70 + 64).
+    let (mut fresh_kv, _) = fresh.prefill(&prefix, Logits::Skip).unwrap();
+    let fresh_snap = fresh.snapshot(&fresh_kv).unwrap();
+    for (turn, utterance) in [(0, 25), (1, 40), (2, 3)] {
+        let (mut w, moved) = copied(&|| m.snapshot(&snap).unwrap());
+        let what = format!("restore {turn}");
+        let most = bound(last_turn.0, last_turn.1);
+        assert!(
+            moved <= most && most < whole,
+            "{what} moved {moved} bytes: more than {most} or a whole copy's {whole}"
+        );
+        last_turn = (utterance, 3);
+        assert_copy_of(&m, &what, &w, &snap);
+        fresh_kv = fresh.snapshot(&fresh_snap).unwrap();
+        let tokens = ids(utterance, 12 + turn);
+        let got = m.extend(&mut w, &tokens, Logits::Return).unwrap();
+        let want = fresh
+            .extend(&mut fresh_kv, &tokens, Logits::Return)
+            .unwrap();
+        assert_eq!(got.logits, want.logits, "{what}: extend");
+        for id in [13, 14, 15] {
+            let got = m.step(&mut w, id, Logits::Return).unwrap();
+            let want = fresh.step(&mut fresh_kv, id, Logits::Return).unwrap();
+            assert_eq!(got.logits, want.logits, "{what}: step {id}");
+        }
+    }
+
+    // The snapshot written: its next restore is a whole copy of what it holds now.
+    m.step(&mut snap, 16, Logits::Skip).unwrap();
+    let (w, moved) = copied(&|| m.snapshot(&snap).unwrap());
+    assert_eq!(
+        moved,
+        whole_copy_bytes(&m, &snap),
+        "after the snapshot changed"
+    );
+    assert_copy_of(&m, "restore of the changed snapshot", &w, &snap);
 }
