@@ -25,7 +25,7 @@
 //! snapshot's length (the turn only appends) and the ring rows its chunk calls wrote. So each
 //! state carries a **stamp** (new whenever its contents change: created, or about to be
 //! written by a chunk call) and, when it began as a copy, the stamp of its source then and
-//! the ring rows written since ([`Since`]). A copy of a source whose stamp is the one a free
+//! the ring rows written since. A copy of a source whose stamp is the one a free
 //! set was copied from takes that set and moves only those ring rows back (plus the
 //! positions table), zeroing the full-layer rows the turn appended as any recycled set's are:
 //! the result is byte for byte a whole copy's. For an 860-token prefix of Gemma 3 270M and a
