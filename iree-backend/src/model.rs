@@ -17,7 +17,7 @@ use kvsnap_reference::kernels::gather_rows;
 use kvsnap_reference::{Tensor, Weights};
 
 use crate::compile::{CompileProgress, Compiler, Target};
-use crate::graphs::{self, entry_name, DType, Input, Manifest, WeightLayout, DEFAULT_CHUNKS};
+use crate::graphs::{self, DType, Input, Manifest, Role, WeightLayout, DEFAULT_CHUNKS};
 pub use crate::kv::IreeKv;
 use crate::kv::KvPool;
 use crate::resident::{self, Lease};
@@ -488,24 +488,32 @@ impl IreeModel {
         };
         let chunks = plan.len();
         for (index, (c, valid)) in plan.into_iter().enumerate() {
-            let (first, name) = match input {
+            let (first, role) = match input {
                 ChunkInput::Ids(ids) => {
                     let mut part = vec![0i32; c];
                     for (p, &id) in part.iter_mut().zip(&ids[done..done + valid]) {
                         *p = id as i32;
                     }
-                    (
-                        BufferView::from_i32(&self.device, &[c], &part)?,
-                        entry_name(Input::Ids, c),
-                    )
+                    (BufferView::from_i32(&self.device, &[c], &part)?, Role::Ids)
                 }
                 ChunkInput::Embeddings(rows) => {
                     let mut part = vec![0f32; c * h];
                     part[..valid * h].copy_from_slice(&rows[done * h..(done + valid) * h]);
-                    (
-                        BufferView::from_f32(&self.device, &[c, h], &part)?,
-                        entry_name(Input::Embeddings, c),
-                    )
+                    let rows = BufferView::from_f32(&self.device, &[c, h], &part)?;
+                    (rows, Role::Embeddings)
+                }
+            };
+            // A decode step may have entry points that attend over fewer global rows.
+            let name = match self.manifest.entry_for(role, c, kv.len + c) {
+                Some(entry) => entry.name.as_str(),
+                None => {
+                    return Err(self.backend_error(
+                        "choose entry point",
+                        &format!(
+                            "no {role:?} entry point for {c} rows ending at {}",
+                            kv.len + c
+                        ),
+                    ))
                 }
             };
             let pos0 = BufferView::from_i32(&self.device, &[], &[kv.len as i32])?;
@@ -519,12 +527,12 @@ impl IreeModel {
                 (true, Logits::Skip) if self.screen => HEAD_SCREEN,
                 (true, _) => HEAD_FULL,
             };
-            let mut outs = self.call(&session, &name, [&first, &pos0, &nvalid], head, kv)?;
+            let mut outs = self.call(&session, name, [&first, &pos0, &nvalid], head, kv)?;
             if head == HEAD_SCREEN && outs[0].to_i32_vec()?[0] < 0 {
                 // Unsettled: the same chunk again (it writes the same K/V rows at the same
                 // positions, and reads what the first call read) with the full head.
                 self.screen_fallbacks.fetch_add(1, Ordering::Relaxed);
-                outs = self.call(&session, &name, [&first, &pos0, &nvalid], HEAD_FULL, kv)?;
+                outs = self.call(&session, name, [&first, &pos0, &nvalid], HEAD_FULL, kv)?;
             }
             if outs.len() != 2 + kv.bufs.len() {
                 return Err(self.backend_error(

@@ -11,8 +11,8 @@ use std::process::Command;
 use kvsnap_contract::ModelConfig;
 use kvsnap_iree::emit::{Cmp, DotDims, ElemType, FuncBuilder, Module, Reduction, TensorType};
 use kvsnap_iree::graphs::{
-    self, entry_name, DType, GraphOptions, Input, Role, WeightLayout, DEFAULT_CHUNKS,
-    PROJECTION_LANES, SCREEN_BLOCKS, SCREEN_WEIGHTS, TABLE_LANES,
+    self, entry_name, step_entry_name, DType, GraphOptions, Input, Role, WeightLayout,
+    DEFAULT_CHUNKS, PROJECTION_LANES, SCREEN_BLOCKS, SCREEN_WEIGHTS, TABLE_LANES,
 };
 use kvsnap_reference::tiny::{config, Preset};
 
@@ -531,7 +531,38 @@ fn graphs_build_for_tiny_and_real_configs_with_the_head_sliced() {
         }
         // The head was built: [vocab] logits are returned.
         assert!(g.mlir.contains(&format!("tensor<{vocab}xf32>")));
-        assert_eq!(g.manifest.entry_points.len(), 2 * DEFAULT_CHUNKS.len());
+        // With branches, decode steps that attend over the first rows of the global layers
+        // only, picked on the host by where the step ends; the whole capacity's step past them.
+        let capacity = cfg.context_capacity;
+        let spans = opts.step_spans(capacity);
+        assert_eq!(spans.is_empty(), !opts.branches);
+        assert_eq!(
+            g.manifest.entry_points.len(),
+            2 * DEFAULT_CHUNKS.len() + spans.len()
+        );
+        let (kvh, hd) = (cfg.num_key_value_heads, cfg.head_dim);
+        for &span in &spans {
+            let name = step_entry_name(span);
+            let e = g.manifest.entry(&name).expect("span step in manifest");
+            assert_eq!((e.chunk, e.input, e.global_rows), (1, Role::Ids, span));
+            let body = function_of(&g.mlir, &name);
+            let rows = format!("tensor<{span}x{kvh}x{hd}xf32>");
+            assert!(body.contains(&rows), "{name} attends over {span} rows");
+            assert_eq!(
+                body.matches("stablehlo.if").count(),
+                usize::from(opts.screen)
+            );
+            let chosen = g.manifest.entry_for(Role::Ids, 1, span).unwrap();
+            assert_eq!(chosen.name, name);
+        }
+        let whole = g.manifest.entry_for(Role::Ids, 1, capacity).unwrap();
+        assert_eq!(whole.name, entry_name(Input::Ids, 1));
+        let first = g.manifest.entry_for(Role::Ids, 1, 1).unwrap();
+        assert_eq!(
+            first.global_rows,
+            spans.first().copied().unwrap_or(capacity)
+        );
+        assert_eq!(g.manifest.entry_for(Role::Ids, 1, capacity + 1), None);
         for &c in &DEFAULT_CHUNKS {
             for input in Input::ALL {
                 let name = entry_name(input, c);

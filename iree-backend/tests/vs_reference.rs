@@ -7,7 +7,7 @@ use std::sync::OnceLock;
 
 use kvsnap_contract::{KvModel, Logits, Next, Tolerance};
 use kvsnap_iree::compile::{Compiler, Target};
-use kvsnap_iree::graphs::Input;
+use kvsnap_iree::graphs::{Input, Role};
 use kvsnap_iree::{IreeModel, IreeOptions};
 use kvsnap_reference::tiny::{write_model, Preset, DEFAULT_SEED};
 use kvsnap_reference::ReferenceModel;
@@ -84,6 +84,7 @@ per_target!(
     embeddings_input_matches_ids_input,
     kv_bytes_are_the_allocated_buffers,
     both_input_kinds_serve_every_operation,
+    steps_through_every_global_span_match_the_reference,
 );
 
 /// Deterministic token ids in the tiny vocab.
@@ -146,6 +147,37 @@ fn prefill_extend_step_match_the_reference(p: &Pair) {
     assert_eq!((skip.token, skip.logits), (want.token, None));
     // Every KV buffer was updated in place by every call (no whole-buffer copies).
     assert_eq!(p.iree.kv_copies(), 0, "KV results in new buffers");
+}
+
+/// Decode steps from a short prefix to the capacity: on llvm-cpu each runs the step entry point
+/// whose global layers attend over the fewest rows that hold it (`GraphOptions::step_spans`),
+/// so the steps cross every span's end; each matches the reference.
+fn steps_through_every_global_span_match_the_reference(p: &Pair) {
+    let manifest = p.iree.manifest();
+    let capacity = manifest.capacity;
+    let mut steps: Vec<_> = manifest
+        .entry_points
+        .iter()
+        .filter(|e| e.chunk == 1 && e.input == Role::Ids)
+        .map(|e| e.global_rows)
+        .collect();
+    steps.sort_unstable();
+    let mut want = match p.iree.backend() {
+        "iree-cpu" => vec![16, 32, 64],
+        _ => Vec::new(), // no branches on Vulkan
+    };
+    want.push(capacity);
+    assert_eq!(steps, want, "the decode steps' global rows");
+    let r = Logits::Return;
+    let seq = ids(capacity, 7);
+    let (mut a, _) = p.iree.prefill(&seq[..10], Logits::Skip).unwrap();
+    let (mut b, _) = p.reference.prefill(&seq[..10], Logits::Skip).unwrap();
+    for (i, &t) in seq[10..].iter().enumerate() {
+        let na = p.iree.step(&mut a, t, r).unwrap();
+        let nb = p.reference.step(&mut b, t, r).unwrap();
+        assert_close(&format!("step {} to row {}", i, 11 + i), &na, &nb);
+    }
+    assert_eq!(p.iree.len(&a), capacity);
 }
 
 fn long_prefill_up_to_capacity_and_overflow_leaves_state_unchanged(p: &Pair) {

@@ -145,6 +145,9 @@ pub(super) struct Forward<'a> {
     pub cfg: &'a ModelConfig,
     /// The matrices' layout and whether to branch.
     pub opts: GraphOptions,
+    /// Rows of the global layers' buffers a chunk without branches attends over: the capacity,
+    /// or a decode step's span ([`GraphOptions::step_spans`]).
+    pub global_rows: usize,
 }
 
 impl<'a> Forward<'a> {
@@ -573,7 +576,7 @@ impl<'a> Forward<'a> {
                 let spans = if self.opts.branches_for(c) {
                     global_spans(cfg.context_capacity, c)
                 } else {
-                    vec![cfg.context_capacity]
+                    vec![self.global_rows]
                 };
                 let o = self.attend_live(&q, &k_buf, &v_buf, ch, &spans);
                 (k_buf, v_buf, o)

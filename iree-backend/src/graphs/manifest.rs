@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 /// Format name written into every manifest.
 pub const MANIFEST_FORMAT: &str = "kvsnap-iree-graphs";
 /// Version of the manifest layout and of the entry-point conventions it describes.
-pub const MANIFEST_VERSION: u32 = 4;
+pub const MANIFEST_VERSION: u32 = 5;
 
 /// Element type of an argument or result.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -212,6 +212,9 @@ pub struct EntryPoint {
     pub chunk: usize,
     /// `Ids` or `Embeddings`: the role of the first argument.
     pub input: Role,
+    /// The global layers' rows it may attend over: a call's chunk must end at or before this
+    /// row. The capacity, or a decode step's span (`GraphOptions::step_spans`).
+    pub global_rows: usize,
     /// Arguments in call order: chunk input, `pos0`, `valid`, `head`, weights, the screened
     /// head's tensors (if any), KV buffers.
     pub args: Vec<TensorSpec>,
@@ -249,6 +252,15 @@ impl Manifest {
     /// The entry point named `name`.
     pub fn entry(&self, name: &str) -> Option<&EntryPoint> {
         self.entry_points.iter().find(|e| e.name == name)
+    }
+
+    /// The entry point for a chunk of `chunk` rows of `input` (`Ids` or `Embeddings`) ending
+    /// at row `end`: of those that may attend that far, the one with the fewest global rows.
+    pub fn entry_for(&self, input: Role, chunk: usize, end: usize) -> Option<&EntryPoint> {
+        self.entry_points
+            .iter()
+            .filter(|e| e.input == input && e.chunk == chunk && e.global_rows >= end)
+            .min_by_key(|e| e.global_rows)
     }
 }
 

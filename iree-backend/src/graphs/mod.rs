@@ -82,6 +82,12 @@ pub fn entry_name(input: Input, chunk: usize) -> String {
     format!("chunk_{}_c{chunk}", input.tag())
 }
 
+/// The name of the decode step's entry point whose global layers attend over their first
+/// `span` rows only ([`GraphOptions::step_spans`]): `chunk_ids_c1_s{span}`.
+pub fn step_entry_name(span: usize) -> String {
+    format!("{}_s{span}", entry_name(Input::Ids, 1))
+}
+
 /// The target-dependent choices of a module.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct GraphOptions {
@@ -152,6 +158,22 @@ impl GraphOptions {
     pub fn branches_for(self, c: usize) -> bool {
         self.branches && c > 1
     }
+
+    /// The spans below `capacity` of the decode step's extra entry points: with
+    /// [`GraphOptions::branches`], one step per span (an eighth, a quarter and half of the
+    /// capacity, as a chunk's branches choose from) whose global layers attend over their first
+    /// `span` rows only, chosen on the host by the state's length ([`Manifest::entry_for`]), so no predicate is read back. At the catalog's length
+    /// a step attends over 1024 of Gemma 3 270M's 4096 rows; its three global layers'
+    /// attention took about 2.3 ms of a 27 ms step over the whole capacity (docs/BENCHMARKS.md,
+    /// nineteenth pass). Without branches: none.
+    pub fn step_spans(self, capacity: usize) -> Vec<usize> {
+        if !self.branches {
+            return Vec::new();
+        }
+        let mut spans = forward::global_spans(capacity, 1);
+        spans.retain(|&s| s < capacity);
+        spans
+    }
 }
 
 /// An emitted module: its MLIR text and the manifest of its entry points.
@@ -196,9 +218,16 @@ pub fn build(cfg: &ModelConfig, chunks: &[usize], opts: GraphOptions) -> Graphs 
     let mut entry_points = Vec::new();
     for &c in &chunks {
         for input in Input::ALL {
-            let (text, entry) = entry_point(cfg, input, c, ring, opts);
+            let (text, entry) = entry_point(cfg, input, c, ring, opts, None);
             module.push(text);
             entry_points.push(entry);
+        }
+        if c == 1 {
+            for span in opts.step_spans(cfg.context_capacity) {
+                let (text, entry) = entry_point(cfg, Input::Ids, c, ring, opts, Some(span));
+                module.push(text);
+                entry_points.push(entry);
+            }
         }
     }
     let attention = attention_products(cfg, &chunks, ring, opts);
@@ -260,6 +289,7 @@ pub fn argmax_module(cfg: &ModelConfig) -> String {
         b,
         cfg,
         opts: GraphOptions::vulkan(),
+        global_rows: cfg.context_capacity,
     };
     let next = f.argmax(&logits);
     let mut module = Module::new("argmax");
@@ -283,6 +313,7 @@ pub fn screen_module(cfg: &ModelConfig) -> String {
         b,
         cfg,
         opts: GraphOptions::llvm_cpu(),
+        global_rows: cfg.context_capacity,
     };
     let screen = Screen { q8, scale, slack };
     let next = f.screen(&screen, &table, &h);
@@ -308,13 +339,15 @@ fn spec(name: &str, role: Role, dims: &[usize], dtype: DType) -> TensorSpec {
     }
 }
 
-/// The function text and manifest entry of one entry point.
+/// The function text and manifest entry of one entry point: global layers attend over their
+/// first `span` rows (a decode step's [`GraphOptions::step_spans`]), else as the options say.
 fn entry_point(
     cfg: &ModelConfig,
     input: Input,
     c: usize,
     ring: RingGeometry,
     opts: GraphOptions,
+    span: Option<usize>,
 ) -> (String, EntryPoint) {
     let first = match input {
         Input::Ids => spec("ids", Role::Ids, &[c], DType::I32),
@@ -338,7 +371,11 @@ fn entry_point(
     ];
     results.extend(kv);
 
-    let name = entry_name(input, c);
+    let name = match span {
+        Some(span) => step_entry_name(span),
+        None => entry_name(input, c),
+    };
+    let global_rows = span.unwrap_or(cfg.context_capacity);
     let mut b = FuncBuilder::new(&name);
     let values: Vec<Value> = args.iter().map(|a| b.arg(arg_type(a))).collect();
     let mut it = values.into_iter();
@@ -360,7 +397,12 @@ fn entry_point(
     let positions = kv_in.pop().expect("sliding.positions");
     assert_eq!(kv_in.len(), 2 * cfg.num_layers(), "one K and V per layer");
 
-    let mut f = Forward { b, cfg, opts };
+    let mut f = Forward {
+        b,
+        cfg,
+        opts,
+        global_rows,
+    };
     let (ch, positions) = f.chunk(c, pos0, valid, &positions, ring);
     let rows = match input {
         Input::Ids => f.gather(&embed, &chunk_input),
@@ -384,6 +426,7 @@ fn entry_point(
             name,
             chunk: c,
             input: args[0].role,
+            global_rows,
             args,
             results,
         },
