@@ -29,8 +29,8 @@
 //! set was copied from takes that set and moves only those ring rows back (plus the
 //! positions table), zeroing the full-layer rows the turn appended as any recycled set's are:
 //! the result is byte for byte a whole copy's. For an 860-token prefix of Gemma 3 270M and a
-//! 37-row turn that is about 1.2 MB moved instead of 25 MB. A source written since (its stamp
-//! changed) gets a whole copy.
+//! turn that writes 37 ring rows that is about 1.1 MB moved instead of 25 MB. A source
+//! written since (its stamp changed) gets a whole copy.
 //!
 //! # A spare set, faulted in beside the prefill
 //! On the CPU device a new set is `calloc`'d memory that the kernel maps page by page as it is
