@@ -162,10 +162,10 @@ impl GraphOptions {
     /// The spans below `capacity` of the decode step's extra entry points: with
     /// [`GraphOptions::branches`], one step per span (an eighth, a quarter and half of the
     /// capacity, as a chunk's branches choose from) whose global layers attend over their first
-    /// `span` rows only, chosen on the host by the state's length ([`Manifest::entry_for`]), so no predicate is read back. At the catalog's length
-    /// a step attends over 1024 of Gemma 3 270M's 4096 rows; its three global layers'
-    /// attention took about 2.3 ms of a 27 ms step over the whole capacity (docs/BENCHMARKS.md,
-    /// nineteenth pass). Without branches: none.
+    /// `span` rows only, chosen on the host by the state's length ([`Manifest::entry_for`]), so
+    /// no predicate is read back. At the catalog's length a step attends over 1024 of Gemma 3
+    /// 270M's 4096 rows; its three global layers' attention took about 2.3 ms of a 27 ms step
+    /// over the whole capacity (docs/BENCHMARKS.md, nineteenth pass). Without branches: none.
     pub fn step_spans(self, capacity: usize) -> Vec<usize> {
         if !self.branches {
             return Vec::new();
