@@ -504,18 +504,12 @@ impl IreeModel {
                 }
             };
             // A decode step may have entry points that attend over fewer global rows.
-            let name = match self.manifest.entry_for(role, c, kv.len + c) {
-                Some(entry) => entry.name.as_str(),
-                None => {
-                    return Err(self.backend_error(
-                        "choose entry point",
-                        &format!(
-                            "no {role:?} entry point for {c} rows ending at {}",
-                            kv.len + c
-                        ),
-                    ))
-                }
-            };
+            let end = kv.len + c;
+            let entry = self.manifest.entry_for(role, c, end).ok_or_else(|| {
+                let status = format!("no {role:?} entry point for {c} rows ending at {end}");
+                self.backend_error("choose entry point", &status)
+            })?;
+            let name = entry.name.as_str();
             let pos0 = BufferView::from_i32(&self.device, &[], &[kv.len as i32])?;
             // The call writes `c` rows at the state's end, padding included.
             kv.will_write(c);
