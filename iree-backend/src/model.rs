@@ -69,6 +69,16 @@ impl IreeOptions {
             ..Self::cpu()
         }
     }
+
+    /// The input `prefill`/`extend`/`step` go through: [`IreeOptions::input`] or the target's
+    /// default. The module has its entry points in every chunk size, the other input's in
+    /// the decode step's and the largest size only ([`graphs::GraphOptions::input`]).
+    pub fn chosen_input(&self) -> Input {
+        self.input.unwrap_or(match self.target {
+            Target::VulkanSpirv => Input::Embeddings,
+            Target::LlvmCpu => Input::Ids,
+        })
+    }
 }
 
 /// What loading cost: the module size, the compile (or cache hit) and the weight imports.
@@ -279,10 +289,7 @@ impl IreeModel {
             weights.extend(views);
             screen = finite;
         }
-        let input = opts.input.unwrap_or(match opts.target {
-            Target::VulkanSpirv => Input::Embeddings,
-            Target::LlvmCpu => Input::Ids,
-        });
+        let input = opts.chosen_input();
         let report = LoadReport {
             mlir_bytes: g.mlir.len(),
             compile,
@@ -413,36 +420,15 @@ impl IreeModel {
         self.kv_pool.zeros(&self.device, rows)
     }
 
-    /// Splits `n` rows starting at position `pos` into `(chunk size, valid rows)` calls: the
-    /// largest compiled size while at least that many rows remain, then the smallest size that
-    /// holds the rest if it fits in the capacity, else the largest size not above the rest.
-    fn plan(&self, mut pos: usize, mut n: usize) -> Vec<(usize, usize)> {
-        let chunks = &self.manifest.chunks; // ascending, contains 1
-        let mut out = Vec::new();
-        while n > 0 {
-            let largest = *chunks.last().expect("at least one chunk size");
-            let c = if n >= largest {
-                largest
-            } else {
-                chunks
-                    .iter()
-                    .copied()
-                    .find(|&c| c >= n && pos + c <= self.cfg.context_capacity)
-                    .unwrap_or_else(|| {
-                        chunks
-                            .iter()
-                            .copied()
-                            .filter(|&c| c <= n)
-                            .max()
-                            .unwrap_or(1)
-                    })
-            };
-            let valid = c.min(n);
-            out.push((c, valid));
-            pos += valid;
-            n -= valid;
-        }
-        out
+    /// The chunk calls of `input`'s entry points for `n` rows starting at position `pos`
+    /// ([`plan_chunks`]).
+    fn plan(&self, input: Role, pos: usize, n: usize) -> Vec<(usize, usize)> {
+        let call_rows = match self.target {
+            Target::LlvmCpu => CALL_ROWS_CPU,
+            Target::VulkanSpirv => CALL_ROWS_GPU,
+        };
+        let chunks = self.manifest.chunks_for(input);
+        plan_chunks(&chunks, self.cfg.context_capacity, call_rows, pos, n)
     }
 
     /// Runs `input` (`n` rows) at the end of `kv` and returns the last row's next token.
@@ -470,9 +456,9 @@ impl IreeModel {
 
     fn run_chunks(&self, kv: &mut IreeKv, input: ChunkInput, want: Logits) -> Result<Next> {
         let h = self.cfg.hidden_size;
-        let n = match input {
-            ChunkInput::Ids(ids) => ids.len(),
-            ChunkInput::Embeddings(rows) => rows.len() / h,
+        let (n, role) = match input {
+            ChunkInput::Ids(ids) => (ids.len(), Role::Ids),
+            ChunkInput::Embeddings(rows) => (rows.len() / h, Role::Embeddings),
         };
         let session = self
             .session
@@ -481,26 +467,25 @@ impl IreeModel {
             .map_err(|_| self.backend_error("lock session", "a previous call panicked"))?;
         let mut last = None;
         let mut done = 0;
-        let plan = self.plan(kv.len, n);
+        let plan = self.plan(role, kv.len, n);
         let fault = match self.fault_after_chunk.swap(0, Ordering::SeqCst) {
             0 => None,
             k => Some((k as usize - 1).min(plan.len() - 1)),
         };
         let chunks = plan.len();
         for (index, (c, valid)) in plan.into_iter().enumerate() {
-            let (first, role) = match input {
+            let first = match input {
                 ChunkInput::Ids(ids) => {
                     let mut part = vec![0i32; c];
                     for (p, &id) in part.iter_mut().zip(&ids[done..done + valid]) {
                         *p = id as i32;
                     }
-                    (BufferView::from_i32(&self.device, &[c], &part)?, Role::Ids)
+                    BufferView::from_i32(&self.device, &[c], &part)?
                 }
                 ChunkInput::Embeddings(rows) => {
                     let mut part = vec![0f32; c * h];
                     part[..valid * h].copy_from_slice(&rows[done * h..(done + valid) * h]);
-                    let rows = BufferView::from_f32(&self.device, &[c, h], &part)?;
-                    (rows, Role::Embeddings)
+                    BufferView::from_f32(&self.device, &[c, h], &part)?
                 }
             };
             // A decode step may have entry points that attend over fewer global rows.
@@ -592,7 +577,8 @@ impl IreeModel {
 }
 
 /// The module `load` runs for `cfg` and `opts`: the chunk sizes of `opts` plus the decode step,
-/// those that fit the context capacity. `kvsnap export` compiles exactly this.
+/// those that fit the context capacity, for [`IreeOptions::chosen_input`] (the other input in
+/// the decode step and the largest size). `kvsnap export` compiles exactly this.
 pub fn model_graphs(cfg: &ModelConfig, opts: &IreeOptions) -> graphs::Graphs {
     let mut chunks = opts.chunks.clone();
     chunks.push(1);
@@ -600,12 +586,62 @@ pub fn model_graphs(cfg: &ModelConfig, opts: &IreeOptions) -> graphs::Graphs {
     // Panels speed up llvm-cpu's head matvec and branches skip work there; the Vulkan path keeps
     // the HF rows (uploaded as they are, embedding rows gathered on the host) and no branches
     // (each costs a queue round trip).
-    let graph_opts = match opts.target {
+    let mut graph_opts = match opts.target {
         Target::LlvmCpu => graphs::GraphOptions::llvm_cpu(),
         Target::VulkanSpirv => graphs::GraphOptions::vulkan(),
     }
     .for_config(cfg);
+    graph_opts.input = opts.chosen_input();
     graphs::build(cfg, &chunks, graph_opts)
+}
+
+/// What a chunk call costs beyond its rows on llvm-cpu, in rows: the real model's chunks of 8,
+/// 16, 24, 32 and 64 rows took about 40, 60, 83, 92 and 157 ms on 2 Zen 3 cores, about 23 ms
+/// a call plus 2.1 ms a row (docs/BENCHMARKS.md, twentieth pass).
+const CALL_ROWS_CPU: usize = 10;
+
+/// The same on Vulkan, where a call's submission and weight pass dwarf a row's work: one
+/// padded call is cheaper than two that fit.
+const CALL_ROWS_GPU: usize = 64;
+
+/// Splits `n` rows starting at position `pos` into `(chunk size, valid rows)` calls of `chunks`
+/// (ascending, holding 1) at the least modelled cost: each call costs its padded rows plus
+/// `call_rows`. Only the last call is padded, and only where its padding fits `capacity`.
+/// With the default chunks on llvm-cpu a 22-row extend runs as one 24-row chunk rather than a
+/// 32-row one, 36 rows as 32 + 8 rather than one padded 64-row chunk; ties go to the larger
+/// chunk first.
+pub(crate) fn plan_chunks(
+    chunks: &[usize],
+    capacity: usize,
+    call_rows: usize,
+    pos: usize,
+    n: usize,
+) -> Vec<(usize, usize)> {
+    // best[d] = (cost, first call) of the rows from `d` to `n`.
+    let mut best = vec![(0usize, (0usize, 0usize)); n + 1];
+    for d in (0..n).rev() {
+        let rest = n - d;
+        let mut choice: Option<(usize, (usize, usize))> = None;
+        for &c in chunks.iter().rev() {
+            let valid = c.min(rest);
+            if valid < c && pos + d + c > capacity {
+                continue;
+            }
+            let cost = call_rows + c + best[d + valid].0;
+            if choice.is_none_or(|(b, _)| cost < b) {
+                choice = Some((cost, (c, valid)));
+            }
+        }
+        best[d] = choice.expect("chunk size 1 always fits");
+    }
+    let mut out = Vec::new();
+    let mut d = 0;
+    while d < n {
+        let call = best[d].1;
+        out.push(call);
+        d += call.1;
+    }
+    out
 }
 
 /// Compiles `g` (with its tuning spec) for `target` through the on-disk cache, printing
@@ -688,5 +724,58 @@ impl KvModel for IreeModel {
     /// `ring.rows`, global layers the capacity, plus the positions table).
     fn kv_bytes(&self, kv: &IreeKv) -> u64 {
         kv.bufs.iter().map(|b| b.byte_length() as u64).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{plan_chunks, CALL_ROWS_CPU, CALL_ROWS_GPU};
+
+    const CHUNKS: [usize; 6] = [1, 8, 16, 24, 32, 64];
+
+    fn cpu(pos: usize, n: usize) -> Vec<(usize, usize)> {
+        plan_chunks(&CHUNKS, 4096, CALL_ROWS_CPU, pos, n)
+    }
+
+    #[test]
+    fn an_utterance_runs_in_the_chunk_that_wastes_least() {
+        assert_eq!(cpu(860, 22), [(24, 22)]);
+        assert_eq!(cpu(860, 16), [(16, 16)]);
+        // 64 padded rows cost more than a second call's pass over the weights.
+        assert_eq!(cpu(860, 36), [(32, 32), (8, 4)]);
+        assert_eq!(
+            cpu(0, 853),
+            [[(64, 64)].repeat(13), vec![(24, 21)]].concat()
+        );
+        assert_eq!(cpu(100, 1), [(1, 1)]);
+        // On Vulkan a second call costs more than any padding.
+        let gpu = plan_chunks(&CHUNKS, 4096, CALL_ROWS_GPU, 860, 36);
+        assert_eq!(gpu, [(64, 36)]);
+    }
+
+    #[test]
+    fn padding_never_runs_past_the_capacity() {
+        // 5 rows from 4090: no padded chunk fits the 6 rows left, so single rows.
+        assert_eq!(cpu(4090, 5), [(1, 1)].repeat(5));
+        assert_eq!(cpu(4080, 16), [(16, 16)]);
+        assert_eq!(cpu(4080, 12), [(16, 12)]);
+        assert_eq!(cpu(4084, 12), [(8, 8), (1, 1), (1, 1), (1, 1), (1, 1)]);
+    }
+
+    #[test]
+    fn every_plan_covers_its_rows_and_pads_only_its_last_call() {
+        for pos in [0, 7, 500, 4000] {
+            for n in 1..=(4096 - pos).min(300) {
+                for call_rows in [0, CALL_ROWS_CPU, CALL_ROWS_GPU] {
+                    let plan = plan_chunks(&CHUNKS, 4096, call_rows, pos, n);
+                    let rows: usize = plan.iter().map(|&(_, v)| v).sum();
+                    assert_eq!(rows, n, "pos {pos} n {n} K {call_rows}: {plan:?}");
+                    let (last, body) = plan.split_last().unwrap();
+                    assert!(body.iter().all(|&(c, v)| c == v), "{plan:?}");
+                    assert!(CHUNKS.contains(&last.0) && last.1 <= last.0, "{plan:?}");
+                    assert!(pos + n - last.1 + last.0 <= 4096, "{plan:?}");
+                }
+            }
+        }
     }
 }

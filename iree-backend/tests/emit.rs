@@ -536,9 +536,18 @@ fn graphs_build_for_tiny_and_real_configs_with_the_head_sliced() {
         let capacity = cfg.context_capacity;
         let spans = opts.step_spans(capacity);
         assert_eq!(spans.is_empty(), !opts.branches);
+        // The model's input in every chunk size, the other in the decode step's and the
+        // largest only.
+        let (primary, other) = match opts.input {
+            Input::Ids => (Role::Ids, Role::Embeddings),
+            Input::Embeddings => (Role::Embeddings, Role::Ids),
+        };
+        let largest = *DEFAULT_CHUNKS.last().unwrap();
+        assert_eq!(g.manifest.chunks_for(primary), DEFAULT_CHUNKS);
+        assert_eq!(g.manifest.chunks_for(other), [1, largest]);
         assert_eq!(
             g.manifest.entry_points.len(),
-            2 * DEFAULT_CHUNKS.len() + spans.len()
+            DEFAULT_CHUNKS.len() + 2 + spans.len()
         );
         let (kvh, hd) = (cfg.num_key_value_heads, cfg.head_dim);
         for &span in &spans {
@@ -566,6 +575,11 @@ fn graphs_build_for_tiny_and_real_configs_with_the_head_sliced() {
         for &c in &DEFAULT_CHUNKS {
             for input in Input::ALL {
                 let name = entry_name(input, c);
+                if input != opts.input && c != 1 && c != largest {
+                    assert!(g.manifest.entry(&name).is_none(), "{name}");
+                    assert!(!g.mlir.contains(&format!("@{name}(")), "{name}");
+                    continue;
+                }
                 let e = g.manifest.entry(&name).expect("entry point in manifest");
                 // Branches where asked for, in chunks of more than one row only: a decode
                 // step reads no predicate back to the host, but for the one that picks the

@@ -285,7 +285,8 @@ fn a_restore_moves_only_what_the_last_turn_wrote(target: Target) {
     m.step(&mut w, 11, Logits::Skip).unwrap();
     drop(w);
     // What a restore may move after a turn: the positions table, and in each ring the rows of
-    // the turn's calls, the extend's padded to the smallest chunk that holds it.
+    // the turn's calls, the extend's padded at most to the smallest chunk that holds it (the
+    // model's plan never pads more than that one call).
     let chunks = m.manifest().chunks.clone();
     let ring_rows = m.manifest().ring.rows;
     let bound = |utterance: usize, steps: usize| -> u64 {

@@ -125,14 +125,17 @@ fn assert_close(what: &str, got: &Next, want: &Next) -> f64 {
 fn prefill_extend_step_match_the_reference(p: &Pair) {
     let r = Logits::Return;
     let seq = ids(60, 1);
-    // 23 = 16 + 7 (padded to 16); 30 = 16 + 14; then steps: crosses the 6-token window and
-    // every chunk size.
+    // 23 rows as a 24-row chunk, 30 as a 32-row one, 5 as an 8-row one (the default chunks),
+    // then steps: crosses the 6-token window and pads every call.
     let (mut a, na) = p.iree.prefill(&seq[..23], r).unwrap();
     let (mut b, nb) = p.reference.prefill(&seq[..23], r).unwrap();
     assert_close("prefill 23", &na, &nb);
     let na = p.iree.extend(&mut a, &seq[23..53], r).unwrap();
     let nb = p.reference.extend(&mut b, &seq[23..53], r).unwrap();
     assert_close("extend 30", &na, &nb);
+    let na = p.iree.extend(&mut a, &seq[53..58], r).unwrap();
+    let nb = p.reference.extend(&mut b, &seq[53..58], r).unwrap();
+    assert_close("extend 5", &na, &nb);
     let mut t = na.token;
     for i in 0..8 {
         let na = p.iree.step(&mut a, t, r).unwrap();
@@ -140,7 +143,7 @@ fn prefill_extend_step_match_the_reference(p: &Pair) {
         assert_close(&format!("step {i}"), &na, &nb);
         t = na.token;
     }
-    assert_eq!(p.iree.len(&a), 61);
+    assert_eq!(p.iree.len(&a), 66);
     // Logits::Skip returns the token only.
     let skip = p.iree.step(&mut a, t, Logits::Skip).unwrap();
     let want = p.reference.step(&mut b, t, r).unwrap();
@@ -184,7 +187,8 @@ fn long_prefill_up_to_capacity_and_overflow_leaves_state_unchanged(p: &Pair) {
     let r = Logits::Return;
     let cap = p.iree.config().context_capacity;
     let seq = ids(cap, 2);
-    // 100 = 64 + 36 (padded to 64), then up to the capacity with a chunk that cannot be padded.
+    // 100 = 64 + 32 + 4 (padded to 8), then the 27 rows up to the capacity as 24 + 1 + 1 + 1: no
+    // padded chunk fits past row 124.
     let (mut a, na) = p.iree.prefill(&seq[..100], r).unwrap();
     let (mut b, nb) = p.reference.prefill(&seq[..100], r).unwrap();
     assert_close("prefill 100", &na, &nb);

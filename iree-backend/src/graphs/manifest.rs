@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 /// Format name written into every manifest.
 pub const MANIFEST_FORMAT: &str = "kvsnap-iree-graphs";
 /// Version of the manifest layout and of the entry-point conventions it describes.
-pub const MANIFEST_VERSION: u32 = 5;
+pub const MANIFEST_VERSION: u32 = 6;
 
 /// Element type of an argument or result.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -244,11 +244,24 @@ pub struct Manifest {
     /// A chunk at `pos0` must satisfy `pos0 + C <= capacity` (full-layer buffers have
     /// `capacity` rows, and a dynamic update slice would clamp a write past the end).
     pub capacity: usize,
-    /// Every entry point: ids and embeddings input per chunk size, ascending.
+    /// Every entry point, by chunk size ascending: one input's per chunk size, the other's for
+    /// the decode step and the largest size ([`Manifest::chunks_for`]).
     pub entry_points: Vec<EntryPoint>,
 }
 
 impl Manifest {
+    /// The chunk sizes with an entry point for `input` (`Ids` or `Embeddings`), ascending.
+    pub fn chunks_for(&self, input: Role) -> Vec<usize> {
+        let mut chunks: Vec<usize> = self
+            .entry_points
+            .iter()
+            .filter(|e| e.input == input)
+            .map(|e| e.chunk)
+            .collect();
+        chunks.dedup();
+        chunks
+    }
+
     /// The entry point named `name`.
     pub fn entry(&self, name: &str) -> Option<&EntryPoint> {
         self.entry_points.iter().find(|e| e.name == name)

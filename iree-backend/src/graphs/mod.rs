@@ -51,10 +51,12 @@ pub use manifest::{
 };
 pub use tuning::llvm_cpu_tuning_spec;
 
-/// Chunk sizes compiled by default: the decode step and three prefill/extend chunks. A chunk
-/// runs padded to the smallest compiled size that holds it, so 32 sits between 16 and 64 for
-/// the typical 17-32-token utterance (a 22-token extend ran as a 64-row chunk before: 87 ms).
-pub const DEFAULT_CHUNKS: [usize; 4] = [1, 16, 32, 64];
+/// Chunk sizes compiled by default: the decode step and five prefill/extend chunks. The model
+/// splits rows into the calls of least modelled cost (`plan_chunks` in `model.rs`: a call costs
+/// its padded rows plus a pass over the weights), so sizes 8 apart keep an utterance's padding
+/// small: a 22-token extend runs as 24 rows, not 32 (84-98 ms against 102-108 for the 32-row
+/// chunk, docs/BENCHMARKS.md, twentieth pass), 36 tokens as 32 + 8, not a padded 64.
+pub const DEFAULT_CHUNKS: [usize; 6] = [1, 8, 16, 24, 32, 64];
 
 /// Which input an entry point takes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -110,6 +112,11 @@ pub struct GraphOptions {
     /// config without a final logit softcap (whose rounding can tie logits the screen tells
     /// apart).
     pub screen: bool,
+    /// The input the model's prefill, extend and step go through: its entry points come in
+    /// every chunk size. The other input (`prefill_embeddings` on the CPU, token ids on
+    /// Vulkan) gets the decode step and the largest chunk only: each entry point of the real
+    /// model adds about 5 s to llvm-cpu's compile.
+    pub input: Input,
 }
 
 impl GraphOptions {
@@ -119,6 +126,7 @@ impl GraphOptions {
             layout: WeightLayout::Panels,
             branches: true,
             screen: true,
+            input: Input::Ids,
         }
     }
 
@@ -128,6 +136,7 @@ impl GraphOptions {
             layout: WeightLayout::Rows,
             branches: false,
             screen: false,
+            input: Input::Embeddings,
         }
     }
 
@@ -188,8 +197,9 @@ pub struct Graphs {
     pub tuning_spec: Option<String>,
 }
 
-/// Builds the module for `cfg` with one ids and one embeddings entry point per size in
-/// `chunks` (deduplicated and sorted), with the choices of `opts`.
+/// Builds the module for `cfg` with an entry point of `opts.input` per size in `chunks`
+/// (deduplicated and sorted) and of the other input for the decode step and the largest size,
+/// with the choices of `opts`.
 ///
 /// # Panics
 /// If `chunks` is empty or holds 0, or a chunk is longer than the context capacity.
@@ -216,8 +226,12 @@ pub fn build(cfg: &ModelConfig, chunks: &[usize], opts: GraphOptions) -> Graphs 
     let ring = RingGeometry::new(cfg.sliding_window, *chunks.last().unwrap());
     let mut module = Module::new("kvsnap");
     let mut entry_points = Vec::new();
+    let largest = *chunks.last().unwrap();
     for &c in &chunks {
         for input in Input::ALL {
+            if input != opts.input && c != 1 && c != largest {
+                continue;
+            }
             let (text, entry) = entry_point(cfg, input, c, ring, opts, None);
             module.push(text);
             entry_points.push(entry);
