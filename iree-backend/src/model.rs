@@ -595,10 +595,14 @@ pub fn model_graphs(cfg: &ModelConfig, opts: &IreeOptions) -> graphs::Graphs {
     graphs::build(cfg, &chunks, graph_opts)
 }
 
-/// What a chunk call costs beyond its rows on llvm-cpu, in rows: the real model's chunks of 8,
-/// 16, 24, 32 and 64 rows took about 40, 60, 83, 92 and 157 ms on 2 Zen 3 cores, about 23 ms
-/// a call plus 2.1 ms a row (docs/BENCHMARKS.md, twentieth pass).
-const CALL_ROWS_CPU: usize = 10;
+/// What a chunk call costs beyond its rows on llvm-cpu, in rows: about the time of a pass over
+/// the weights over that of a row's products, so it follows the host's FLOP rate over its
+/// bandwidth. The real model's chunks of 8, 16, 24, 32 and 64 rows took about 40, 60, 83, 92
+/// and 157 ms on 2 Zen 3 cores (AVX2: 23 ms a call plus 2.1 ms a row, 11 rows), and 37, 49,
+/// 58, 66 and 97 ms on 2 cores of an AVX-512 Xeon (29 ms plus 1.06 ms a row, 27 rows;
+/// docs/BENCHMARKS.md, twentieth and twenty-first passes). 16 is between the two: it plans
+/// 33-40 rows as 32 + 8 and 41-48 as one 64-row chunk, within 11 ms of either host's best.
+const CALL_ROWS_CPU: usize = 16;
 
 /// The same on Vulkan, where a call's submission and weight pass dwarf a row's work: one
 /// padded call is cheaper than two that fit.
@@ -741,8 +745,9 @@ mod tests {
     fn an_utterance_runs_in_the_chunk_that_wastes_least() {
         assert_eq!(cpu(860, 22), [(24, 22)]);
         assert_eq!(cpu(860, 16), [(16, 16)]);
-        // 64 padded rows cost more than a second call's pass over the weights.
+        // 64 padded rows cost more than a second call's pass over the weights, 20 fewer not.
         assert_eq!(cpu(860, 36), [(32, 32), (8, 4)]);
+        assert_eq!(cpu(860, 44), [(64, 44)]);
         assert_eq!(
             cpu(0, 853),
             [[(64, 64)].repeat(13), vec![(24, 21)]].concat()

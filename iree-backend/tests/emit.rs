@@ -743,7 +743,8 @@ fn prefill_products_deeper_than_640_are_split_into_blocks() {
 }
 
 /// The llvm-cpu module's tuning spec covers every `P . V` product its prefill chunks run (the
-/// sliding ring, each live span of the global layers), and none of the decode step's.
+/// sliding ring, each live span of the global layers) in workgroups of whole row tiles, and
+/// none of the decode step's.
 #[test]
 fn the_tuning_spec_tiles_each_prefill_attention_product_and_no_decode_one() {
     let cfg = real_config();
@@ -753,12 +754,24 @@ fn the_tuning_spec_tiles_each_prefill_attention_product_and_no_decode_one() {
         .expect("llvm-cpu graphs come with a tuning spec");
     let (hd, heads) = (cfg.head_dim, cfg.num_attention_heads);
     let ring = g.manifest.ring.rows;
-    for &c in DEFAULT_CHUNKS.iter().filter(|&&c| c >= 16) {
+    for &c in DEFAULT_CHUNKS.iter().filter(|&&c| c > 1) {
         let m = c * heads;
         for rows in [ring, 512, 1024, 2048, cfg.context_capacity] {
+            let p = format!("%p = tensor<{m}x{rows}xf32>");
+            let at = spec
+                .find(&p)
+                .unwrap_or_else(|| panic!("chunk {c}: no matcher for P [{m}, {rows}]"));
+            let matcher = &spec[at..at + spec[at..].find("transform.yield").unwrap()];
+            let tile: usize = matcher
+                .split("distribution = [")
+                .nth(1)
+                .and_then(|rest| rest.split(',').next())
+                .and_then(|t| t.parse().ok())
+                .unwrap_or_else(|| panic!("chunk {c}: no distribution in {matcher}"));
+            // A partial workgroup tile ran as scalar code: 24-row chunks' products 2.6x slower.
             assert!(
-                spec.contains(&format!("%p = tensor<{m}x{rows}xf32>")),
-                "chunk {c}: no matcher for P [{m}, {rows}]"
+                m.is_multiple_of(tile) && tile.is_multiple_of(8),
+                "chunk {c}: {tile} rows a workgroup over P [{m}, {rows}]"
             );
         }
     }

@@ -263,7 +263,7 @@ pub fn build(cfg: &ModelConfig, chunks: &[usize], opts: GraphOptions) -> Graphs 
 }
 
 /// The `(M, rows)` of each attention product `P [M, rows] . V [rows, head_dim]` the chunks of
-/// at least 64 query rows run as a `linalg.matmul` (one KV head; `M` = chunk x query heads):
+/// a multiple of 8 query rows run as a `linalg.matmul` (one KV head; `M` = chunk x query heads):
 /// over the sliding ring, and over the global layers' live spans (or their whole capacity).
 fn attention_products(
     cfg: &ModelConfig,
@@ -277,7 +277,7 @@ fn attention_products(
     let mut products = Vec::new();
     for &c in chunks {
         let m = c * cfg.group_size();
-        if m < 64 || !m.is_multiple_of(8) {
+        if !m.is_multiple_of(8) {
             continue;
         }
         let spans = if opts.branches_for(c) {

@@ -9,6 +9,9 @@ use kvsnap_contract::ModelConfig;
 
 use super::manifest::{weight_specs, WeightLayout};
 
+/// Rows of `P` per workgroup in attention's second product, the largest that divides `M`.
+const PV_ROW_TILES: [usize; 4] = [64, 32, 16, 8];
+
 /// The tuning spec of a module whose matrices come in `layout`, if it has one.
 ///
 /// With [`WeightLayout::Panels`] each matvec of the decode step and the head is a
@@ -68,6 +71,13 @@ pub fn llvm_cpu_tuning_spec(
         if rows == hd {
             continue;
         }
+        // Workgroups of whole tiles: a 64-row tile over a 96-row `P` left a 32-row remainder
+        // that IREE ran as scalar code (24-row chunks: 8.7 ms of sliding-layer products where
+        // the 32-row chunk's took 3.3).
+        let m_tile = PV_ROW_TILES
+            .into_iter()
+            .find(|t| m.is_multiple_of(*t))
+            .unwrap_or(m);
         writeln!(
             matchers,
             r#"  transform.named_sequence @match_pv_{i}(%op: !transform.any_op {{transform.readonly}}) -> (!transform.any_op, !transform.any_param) {{
@@ -76,7 +86,7 @@ pub fn llvm_cpu_tuning_spec(
     transform.iree.match.cast_compatible_type %p = tensor<{m}x{rows}xf32> : !transform.any_value
     %v = transform.get_operand %op[1] : (!transform.any_op) -> !transform.any_value
     transform.iree.match.cast_compatible_type %v = tensor<{rows}x{hd}xf32> : !transform.any_value
-    %config = transform.param.constant #iree_codegen.compilation_info<lowering_config = #iree_cpu.lowering_config<distribution = [64, 64, 0], vector_common_parallel = [8, 32, 0], vector_reduction = [0, 0, 1]>, translation_info = #iree_codegen.translation_info<pipeline = #iree_cpu.pipeline<DoubleTilingExpert>>> -> !transform.any_param
+    %config = transform.param.constant #iree_codegen.compilation_info<lowering_config = #iree_cpu.lowering_config<distribution = [{m_tile}, 64, 0], vector_common_parallel = [8, 32, 0], vector_reduction = [0, 0, 1]>, translation_info = #iree_codegen.translation_info<pipeline = #iree_cpu.pipeline<DoubleTilingExpert>>> -> !transform.any_param
     transform.yield %op, %config : !transform.any_op, !transform.any_param
   }}"#
         )
@@ -147,20 +157,25 @@ mod tests {
             &cfg,
             WeightLayout::Panels,
             WeightLayout::Panels,
-            &[(256, 640), (64, hd)],
+            &[(256, 640), (96, 640), (64, hd)],
         )
         .unwrap();
-        // Six panel shapes and the one product whose operand types tell P . V from q . k^T.
-        assert_eq!(spec.matches("-> @apply_op_config").count(), 7);
-        let p = "%p = tensor<256x640xf32>";
+        // Six panel shapes and the two products whose operand types tell P . V from q . k^T.
+        assert_eq!(spec.matches("-> @apply_op_config").count(), 8);
         let v = format!("%v = tensor<640x{hd}xf32>");
-        let at = spec.find(p).expect("the 256 x 640 product is matched");
-        let matcher = &spec[at..at + spec[at..].find("transform.yield").unwrap()];
-        assert!(matcher.contains(&v), "{matcher}");
-        assert!(
-            matcher.contains("vector_common_parallel = [8, 32, 0], vector_reduction = [0, 0, 1]"),
-            "{matcher}"
-        );
+        // Workgroups of 64 rows of P where they divide M, else the largest tile that does.
+        for (m, tile) in [(256, 64), (96, 32)] {
+            let p = format!("%p = tensor<{m}x640xf32>");
+            let at = spec.find(&p).expect("the product is matched");
+            let matcher = &spec[at..at + spec[at..].find("transform.yield").unwrap()];
+            assert!(matcher.contains(&v), "{matcher}");
+            assert!(
+                matcher.contains(&format!(
+                    "distribution = [{tile}, 64, 0], vector_common_parallel = [8, 32, 0], vector_reduction = [0, 0, 1]"
+                )),
+                "{matcher}"
+            );
+        }
         assert!(!spec.contains(&format!("tensor<64x{hd}xf32>")));
     }
 }
