@@ -577,12 +577,14 @@ impl IreeModel {
 }
 
 /// The module `load` runs for `cfg` and `opts`: the chunk sizes of `opts` plus the decode step,
-/// those that fit the context capacity, for [`IreeOptions::chosen_input`] (the other input in
-/// the decode step and the largest size). `kvsnap export` compiles exactly this.
+/// those smaller than the context capacity, for [`IreeOptions::chosen_input`] (the other input
+/// in the decode step and the largest size). `kvsnap export` compiles exactly this. A chunk as
+/// large as the capacity would write the global layers' whole KV buffers, which IREE then
+/// replaces with new ones instead of updating them in place (a copy per call).
 pub fn model_graphs(cfg: &ModelConfig, opts: &IreeOptions) -> graphs::Graphs {
     let mut chunks = opts.chunks.clone();
     chunks.push(1);
-    chunks.retain(|&c| c <= cfg.context_capacity);
+    chunks.retain(|&c| c == 1 || c < cfg.context_capacity);
     // Panels speed up llvm-cpu's head matvec and branches skip work there; the Vulkan path keeps
     // the HF rows (uploaded as they are, embedding rows gathered on the host) and no branches
     // (each costs a queue round trip).
@@ -734,6 +736,7 @@ impl KvModel for IreeModel {
 #[cfg(test)]
 mod tests {
     use super::{plan_chunks, CALL_ROWS_CPU, CALL_ROWS_GPU};
+    use crate::graphs::DEFAULT_CHUNKS;
 
     const CHUNKS: [usize; 6] = [1, 8, 16, 24, 32, 64];
 
@@ -753,6 +756,15 @@ mod tests {
             [[(64, 64)].repeat(13), vec![(24, 21)]].concat()
         );
         assert_eq!(cpu(100, 1), [(1, 1)]);
+        // With the default chunks a long prefix runs mostly in 128-row calls: 860 = 6 x 128 +
+        // 64 + 28 (a 32-row call padded by 4), 8 calls.
+        let mut prefix = plan_chunks(&DEFAULT_CHUNKS, 4096, CALL_ROWS_CPU, 0, 860);
+        assert_eq!(prefix.iter().map(|&(_, v)| v).sum::<usize>(), 860);
+        prefix.sort_unstable();
+        assert_eq!(
+            prefix,
+            [vec![(32, 28), (64, 64)], vec![(128, 128); 6]].concat()
+        );
         // On Vulkan a second call costs more than any padding.
         let gpu = plan_chunks(&CHUNKS, 4096, CALL_ROWS_GPU, 860, 36);
         assert_eq!(gpu, [(64, 36)]);

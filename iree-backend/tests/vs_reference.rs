@@ -187,11 +187,14 @@ fn long_prefill_up_to_capacity_and_overflow_leaves_state_unchanged(p: &Pair) {
     let r = Logits::Return;
     let cap = p.iree.config().context_capacity;
     let seq = ids(cap, 2);
-    // 100 = 64 + 32 + 4 (padded to 8), then the 27 rows up to the capacity as 24 + 1 + 1 + 1: no
-    // padded chunk fits past row 124.
-    let (mut a, na) = p.iree.prefill(&seq[..100], r).unwrap();
-    let (mut b, nb) = p.reference.prefill(&seq[..100], r).unwrap();
-    assert_close("prefill 100", &na, &nb);
+    // 80 = 64 + 16, 20 more as a 24-row chunk padded from 20, then the 27 rows up to the
+    // capacity as 24 + 1 + 1 + 1: no padded chunk fits past row 124.
+    let (mut a, na) = p.iree.prefill(&seq[..80], r).unwrap();
+    let (mut b, nb) = p.reference.prefill(&seq[..80], r).unwrap();
+    assert_close("prefill 80", &na, &nb);
+    let na = p.iree.extend(&mut a, &seq[80..100], r).unwrap();
+    let nb = p.reference.extend(&mut b, &seq[80..100], r).unwrap();
+    assert_close("extend to 100", &na, &nb);
     let na = p.iree.extend(&mut a, &seq[100..cap - 1], r).unwrap();
     let nb = p.reference.extend(&mut b, &seq[100..cap - 1], r).unwrap();
     assert_close("extend to capacity - 1", &na, &nb);
