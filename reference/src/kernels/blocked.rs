@@ -74,7 +74,7 @@ pub(super) unsafe fn matmul_avx512(
             unsafe { pack_avx512(block, w, cols.clone(), i) };
             // SAFETY: the CPU has AVX-512F (the caller's contract); this task alone writes the
             // columns `cols` of `out`, which holds `n * o` floats.
-            unsafe { panel_avx512(dst, &bands, block, cols, n, i, o) };
+            unsafe { panel_avx512(dst, &bands, block, None, cols, n, o) };
         },
     );
 }
@@ -88,11 +88,14 @@ pub(super) unsafe fn matmul_panels_avx512(out: &mut [f32], x: &[f32], w: &Panels
     let (i, o) = (w.i, w.o);
     let bands = bands(x, n, i);
     let dst = Out(out.as_mut_ptr());
-    (0..w.cols.len()).into_par_iter().for_each(|panel| {
+    let panels = w.cols.len();
+    (0..panels).into_par_iter().for_each(|panel| {
         let cols = w.cols[panel].clone();
+        // A task's next panel is usually the one after (rayon splits the range in halves).
+        let next = (panel + 1 < panels).then(|| w.panel(panel + 1));
         // SAFETY: the CPU has AVX-512F (the caller's contract); this task alone writes the
         // columns `cols` of `out`, which holds `n * o` floats; the panel is `[i, NR]`.
-        unsafe { panel_avx512(dst, &bands, w.panel(panel), cols, n, i, o) };
+        unsafe { panel_avx512(dst, &bands, w.panel(panel), next, cols, n, o) };
     });
 }
 
@@ -288,6 +291,15 @@ unsafe fn pack_avx512(block: &mut [f32], w: &[f32], cols: Range<usize>, i: usize
     }
 }
 
+/// Bytes a tile prefetches into L2 as it goes: `step` per input position from `at`, none
+/// where `at` is null.
+#[derive(Clone, Copy)]
+struct Ahead {
+    at: *const u8,
+    /// At most two cache lines.
+    step: usize,
+}
+
 /// The lanes of a panel `width` columns wide (at most [`NR`]), as the masks of its two 16-lane
 /// halves.
 fn lane_masks(width: usize) -> [__mmask16; 2] {
@@ -305,7 +317,14 @@ fn lanes() -> __m512i {
     _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0)
 }
 
-/// The output columns `cols` (at most [`NR`]) of every row: one tile per band.
+/// The output columns `cols` (at most [`NR`]) of every row: one tile per band. While they
+/// run, the first two bands' tiles fetch `next` (the panel the task likely takes next, `[i,
+/// NR]`) into L2: a band from L2 then overlaps the next panel's stream from memory, which a
+/// panel's first band alone cannot hide (for 12 rows its FMAs take about as long as its bytes
+/// from memory). Two bands' time is about what the panel takes from memory; later bands, in a
+/// long prefill, skip the prefetches. On 2 cores of an AVX-512 Xeon the catalog's 22-token
+/// extend went from 56 to 46.5 ms, the prefill unchanged (docs/BENCHMARKS.md, twenty-second
+/// pass).
 ///
 /// # Safety
 /// The CPU must have AVX-512F; no other thread touches the columns `cols` of `out` (`n * o`
@@ -315,14 +334,25 @@ unsafe fn panel_avx512(
     out: Out,
     bands: &[f32],
     block: &[f32],
+    next: Option<&[f32]>,
     cols: Range<usize>,
     n: usize,
-    i: usize,
     o: usize,
 ) {
+    let i = block.len() / NR;
     let masks = lane_masks(cols.len());
+    // Each position of the first bands' tiles prefetches `step` bytes of `next`: two lines
+    // where one band does it all, else one.
+    let spread = n.div_ceil(MR).min(2);
+    let mut ahead = Ahead {
+        at: next.map_or(std::ptr::null(), |p| p.as_ptr().cast::<u8>()),
+        step: 4 * NR / spread,
+    };
     let mut r = 0;
     while r < n {
+        if r >= spread * MR {
+            ahead.at = std::ptr::null();
+        }
         let rows = MR.min(n - r);
         // SAFETY: band `r / MR` starts at `r * i` of `bands`; the tile writes rows
         // `r..r + rows`, columns `cols` of `out`.
@@ -331,18 +361,20 @@ unsafe fn panel_avx512(
         macro_rules! tile {
             ($($m:literal)*) => {
                 match rows {
-                    $($m => tile_avx512::<$m>(c, o, x, block.as_ptr(), i, masks),)*
+                    $($m => tile_avx512::<$m>(c, o, x, block.as_ptr(), i, masks, ahead),)*
                     _ => unreachable!("rows is 1..=MR"),
                 }
             };
         }
         tile!(1 2 3 4 5 6 7 8 9 10 11 12);
+        ahead.at = ahead.at.wrapping_add(i * ahead.step);
         r += rows;
     }
 }
 
 /// `R` rows of `out` at `c` (row stride `o`, the lanes set in the two half masks) = the first
-/// `R` rows of the band at `x` (`[i, MR]`) times the packed block (`[i, NR]`).
+/// `R` rows of the band at `x` (`[i, MR]`) times the packed block (`[i, NR]`), prefetching
+/// `i` steps of `ahead` into L2.
 ///
 /// # Safety
 /// The CPU must have AVX-512F; `x` addresses `i * MR` floats, `block` `i * NR`, `c` `R` rows
@@ -356,9 +388,18 @@ unsafe fn tile_avx512<const R: usize>(
     block: *const f32,
     i: usize,
     [lo, hi]: [__mmask16; 2],
+    ahead: Ahead,
 ) {
     let mut acc = [[_mm512_setzero_ps(); 2]; R];
     for k in 0..i {
+        if !ahead.at.is_null() {
+            // Prefetches never fault: `ahead` may point past a buffer's end.
+            let at = ahead.at.wrapping_add(k * ahead.step);
+            _mm_prefetch::<_MM_HINT_T1>(at.cast());
+            if ahead.step > 64 {
+                _mm_prefetch::<_MM_HINT_T1>(at.wrapping_add(64).cast());
+            }
+        }
         // A packed weight's panel comes from memory on its first band: 8 KiB ahead (one line
         // of the two each position reads; the hardware fetches the other).
         _mm_prefetch::<_MM_HINT_T0>(block.wrapping_add(k * NR + 2048).cast());
