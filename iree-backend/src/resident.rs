@@ -18,8 +18,18 @@
 //!
 //! Loads that need a new device or module run one at a time (the registry's lock is held while
 //! IREE creates them), so two threads never load the same module twice.
+//!
+//! # At process exit
+//! Rust never drops a static, so a resident device would outlive `main`: a Vulkan device's
+//! queue-completion threads then still wait in the driver while `exit` tears the driver down.
+//! On an NVIDIA H200 (driver 580) every `kvsnap bench` run on iree-vulkan ended in a
+//! segmentation fault in those threads, after its work and output were complete
+//! (docs/BENCHMARKS.md, twenty-second pass). So each newly opened device registers
+//! [`release_unused`] with `atexit`: handlers run in the reverse order of registration, so it
+//! runs before the teardown of any driver that was loaded before the device opened. Devices
+//! that a model still holds at exit stay open.
 
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
 
 use kvsnap_contract::Result;
 use sha2::{Digest, Sha256};
@@ -64,6 +74,8 @@ pub struct Resident {
     pub modules: usize,
     /// Loaded modules no model uses.
     pub idle_modules: usize,
+    /// Open devices no model, module or buffer uses.
+    pub idle_devices: usize,
 }
 
 /// Which device: its driver and ordinal (0 on the CPU).
@@ -124,7 +136,33 @@ pub fn device(kind: DeviceKind, ordinal: usize) -> Result<Device> {
         DeviceKind::Vulkan => Device::vulkan(&instance, ordinal)?,
     };
     reg.devices.push(((kind, ordinal), device.clone()));
+    // After the device: its driver's own exit handlers are registered by now, and so run later.
+    release_at_exit();
     Ok(device)
+}
+
+/// Registers [`release_unused`] to run at process exit, once for each newly opened device (a
+/// device opened later may bring a driver whose exit handlers come after an earlier
+/// registration).
+fn release_at_exit() {
+    extern "C" {
+        fn atexit(f: extern "C" fn()) -> std::os::raw::c_int;
+    }
+    extern "C" fn on_exit() {
+        // No unwinding into C. A registry held by another thread (a load under way as the
+        // process exits) is left as it is.
+        let _ = std::panic::catch_unwind(|| {
+            let mut reg = match REGISTRY.try_lock() {
+                Ok(reg) => reg,
+                Err(TryLockError::Poisoned(e)) => e.into_inner(),
+                Err(TryLockError::WouldBlock) => return,
+            };
+            release_unused_in(&mut reg);
+        });
+    }
+    // Whether it registered or not changes nothing but the exit: ignore the result.
+    // SAFETY: `on_exit` is a plain C-ABI function that neither unwinds nor returns a value.
+    let _ = unsafe { atexit(on_exit) };
 }
 
 /// A lease of the module `vmfb` loaded on `device` (one from [`device`]): the resident one when
@@ -165,13 +203,40 @@ pub fn release_idle_modules() -> usize {
     before - reg.modules.len()
 }
 
+/// Drops everything only the registry holds: the idle modules, then the devices that no model,
+/// module or buffer uses, then the instance once no device is left. Returns what stays
+/// resident. Runs at process exit (module documentation); an app may call it to close a GPU
+/// device it no longer needs.
+pub fn release_unused() -> Resident {
+    let mut reg = registry();
+    release_unused_in(&mut reg);
+    resident_in(&reg)
+}
+
+fn release_unused_in(reg: &mut Registry) {
+    trim_idle(reg, 0);
+    reg.devices.retain(|(_, device)| !device_idle(device));
+    if reg.devices.is_empty() {
+        reg.instance = None;
+    }
+}
+
+/// Whether only the registry holds `device` (its entry in `devices`).
+fn device_idle(device: &Device) -> bool {
+    Arc::strong_count(&device.inner) == 1
+}
+
 /// What is resident now.
 pub fn resident() -> Resident {
-    let reg = registry();
+    resident_in(&registry())
+}
+
+fn resident_in(reg: &Registry) -> Resident {
     Resident {
         devices: reg.devices.len(),
         modules: reg.modules.len(),
         idle_modules: reg.modules.iter().filter(|m| m.idle()).count(),
+        idle_devices: reg.devices.iter().filter(|(_, d)| device_idle(d)).count(),
     }
 }
 

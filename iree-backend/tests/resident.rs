@@ -124,3 +124,39 @@ fn idle_modules_are_bounded_least_recently_used_first() {
     assert_eq!(open_close(c[1]).0, MAX_IDLE_MODULES + 1);
     assert_eq!(resident::release_idle_modules(), MAX_IDLE_MODULES);
 }
+
+#[test]
+fn release_unused_closes_what_no_model_holds_and_a_later_load_reopens_it() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(dir) = tiny(DEFAULT_SEED) else {
+        return;
+    };
+    let m = IreeModel::load(&dir, &cpu(40)).unwrap();
+    let want = check_against_reference(&m, &dir);
+    let (kv, _) = m.prefill(&PROMPT, Logits::Skip).unwrap();
+    let held = resident::release_unused();
+    assert_eq!(
+        (held.devices, held.idle_devices, held.idle_modules),
+        (1, 0, 0),
+        "the model holds its device and module"
+    );
+    assert!(held.modules >= 1);
+    drop(m);
+    // The KV state's buffers still hold the device; the module is idle now and goes.
+    let buffers = resident::release_unused();
+    assert_eq!((buffers.devices, buffers.modules), (1, 0));
+    drop(kv);
+    assert_eq!(
+        resident::release_unused(),
+        Resident {
+            devices: 0,
+            modules: 0,
+            idle_modules: 0,
+            idle_devices: 0,
+        }
+    );
+    // A load opens the device and loads the module again, and computes as before.
+    let again = IreeModel::load(&dir, &cpu(40)).unwrap();
+    assert_eq!(resident::resident().devices, 1);
+    assert_eq!(check_against_reference(&again, &dir), want);
+}
