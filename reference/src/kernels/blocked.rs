@@ -342,17 +342,19 @@ unsafe fn panel_avx512(
     let i = block.len() / NR;
     let masks = lane_masks(cols.len());
     // Each position of the first bands' tiles prefetches `step` bytes of `next`: two lines
-    // where one band does it all, else one.
+    // where one band does it all, else one, band `b` taking the `b`-th part of the panel.
     let spread = n.div_ceil(MR).min(2);
-    let mut ahead = Ahead {
-        at: next.map_or(std::ptr::null(), |p| p.as_ptr().cast::<u8>()),
-        step: 4 * NR / spread,
-    };
+    let step = 4 * NR / spread;
     let mut r = 0;
     while r < n {
-        if r >= spread * MR {
-            ahead.at = std::ptr::null();
-        }
+        let band = r / MR;
+        let ahead = Ahead {
+            at: match next {
+                Some(p) if band < spread => p.as_ptr().cast::<u8>().wrapping_add(band * i * step),
+                _ => std::ptr::null(),
+            },
+            step,
+        };
         let rows = MR.min(n - r);
         // SAFETY: band `r / MR` starts at `r * i` of `bands`; the tile writes rows
         // `r..r + rows`, columns `cols` of `out`.
@@ -367,7 +369,6 @@ unsafe fn panel_avx512(
             };
         }
         tile!(1 2 3 4 5 6 7 8 9 10 11 12);
-        ahead.at = ahead.at.wrapping_add(i * ahead.step);
         r += rows;
     }
 }
