@@ -122,31 +122,90 @@ fn assert_close(what: &str, got: &Next, want: &Next) -> f64 {
     worst
 }
 
+/// One sequence run on an IREE model and on the reference in lockstep: every call returns the
+/// logits on both and asserts that they agree ([`assert_close`]).
+struct Lockstep<'m> {
+    iree: &'m IreeModel,
+    reference: &'m ReferenceModel,
+    a: <IreeModel as KvModel>::Kv,
+    b: <ReferenceModel as KvModel>::Kv,
+    /// The largest logit difference so far.
+    worst: f64,
+}
+
+impl<'m> Lockstep<'m> {
+    /// Prefills `ids` on both; returns the pair and IREE's next token and logits.
+    #[track_caller]
+    fn prefill(
+        iree: &'m IreeModel,
+        reference: &'m ReferenceModel,
+        what: &str,
+        ids: &[u32],
+    ) -> (Self, Next) {
+        let (a, na) = iree.prefill(ids, Logits::Return).unwrap();
+        let (b, nb) = reference.prefill(ids, Logits::Return).unwrap();
+        let worst = assert_close(what, &na, &nb);
+        let s = Lockstep {
+            iree,
+            reference,
+            a,
+            b,
+            worst,
+        };
+        (s, na)
+    }
+
+    #[track_caller]
+    fn compare(&mut self, what: &str, na: Next, nb: Next) -> Next {
+        self.worst = self.worst.max(assert_close(what, &na, &nb));
+        na
+    }
+
+    #[track_caller]
+    fn extend(&mut self, what: &str, ids: &[u32]) -> Next {
+        let na = self.iree.extend(&mut self.a, ids, Logits::Return).unwrap();
+        let nb = self
+            .reference
+            .extend(&mut self.b, ids, Logits::Return)
+            .unwrap();
+        self.compare(what, na, nb)
+    }
+
+    #[track_caller]
+    fn step(&mut self, what: &str, id: u32) -> Next {
+        let na = self.iree.step(&mut self.a, id, Logits::Return).unwrap();
+        let nb = self
+            .reference
+            .step(&mut self.b, id, Logits::Return)
+            .unwrap();
+        self.compare(what, na, nb)
+    }
+
+    /// A snapshot of both states, continuing independently.
+    fn snapshot(&self) -> Lockstep<'m> {
+        Lockstep {
+            a: self.iree.snapshot(&self.a).unwrap(),
+            b: self.reference.snapshot(&self.b).unwrap(),
+            ..*self
+        }
+    }
+}
+
 fn prefill_extend_step_match_the_reference(p: &Pair) {
     let r = Logits::Return;
     let seq = ids(60, 1);
     // 23 rows as a 24-row chunk, 30 as a 32-row one, 5 as an 8-row one (the default chunks),
     // then steps: crosses the 6-token window and pads every call.
-    let (mut a, na) = p.iree.prefill(&seq[..23], r).unwrap();
-    let (mut b, nb) = p.reference.prefill(&seq[..23], r).unwrap();
-    assert_close("prefill 23", &na, &nb);
-    let na = p.iree.extend(&mut a, &seq[23..53], r).unwrap();
-    let nb = p.reference.extend(&mut b, &seq[23..53], r).unwrap();
-    assert_close("extend 30", &na, &nb);
-    let na = p.iree.extend(&mut a, &seq[53..58], r).unwrap();
-    let nb = p.reference.extend(&mut b, &seq[53..58], r).unwrap();
-    assert_close("extend 5", &na, &nb);
-    let mut t = na.token;
+    let (mut s, _) = Lockstep::prefill(&p.iree, &p.reference, "prefill 23", &seq[..23]);
+    s.extend("extend 30", &seq[23..53]);
+    let mut t = s.extend("extend 5", &seq[53..58]).token;
     for i in 0..8 {
-        let na = p.iree.step(&mut a, t, r).unwrap();
-        let nb = p.reference.step(&mut b, t, r).unwrap();
-        assert_close(&format!("step {i}"), &na, &nb);
-        t = na.token;
+        t = s.step(&format!("step {i}"), t).token;
     }
-    assert_eq!(p.iree.len(&a), 66);
+    assert_eq!(p.iree.len(&s.a), 66);
     // Logits::Skip returns the token only.
-    let skip = p.iree.step(&mut a, t, Logits::Skip).unwrap();
-    let want = p.reference.step(&mut b, t, r).unwrap();
+    let skip = p.iree.step(&mut s.a, t, Logits::Skip).unwrap();
+    let want = p.reference.step(&mut s.b, t, r).unwrap();
     assert_eq!((skip.token, skip.logits), (want.token, None));
     // Every KV buffer was updated in place by every call (no whole-buffer copies).
     assert_eq!(p.iree.kv_copies(), 0, "KV results in new buffers");
@@ -171,16 +230,12 @@ fn steps_through_every_global_span_match_the_reference(p: &Pair) {
     };
     want.push(capacity);
     assert_eq!(steps, want, "the decode steps' global rows");
-    let r = Logits::Return;
     let seq = ids(capacity, 7);
-    let (mut a, _) = p.iree.prefill(&seq[..10], Logits::Skip).unwrap();
-    let (mut b, _) = p.reference.prefill(&seq[..10], Logits::Skip).unwrap();
+    let (mut s, _) = Lockstep::prefill(&p.iree, &p.reference, "prefill 10", &seq[..10]);
     for (i, &t) in seq[10..].iter().enumerate() {
-        let na = p.iree.step(&mut a, t, r).unwrap();
-        let nb = p.reference.step(&mut b, t, r).unwrap();
-        assert_close(&format!("step {} to row {}", i, 11 + i), &na, &nb);
+        s.step(&format!("step {} to row {}", i, 11 + i), t);
     }
-    assert_eq!(p.iree.len(&a), capacity);
+    assert_eq!(p.iree.len(&s.a), capacity);
 }
 
 fn long_prefill_up_to_capacity_and_overflow_leaves_state_unchanged(p: &Pair) {
@@ -189,53 +244,34 @@ fn long_prefill_up_to_capacity_and_overflow_leaves_state_unchanged(p: &Pair) {
     let seq = ids(cap, 2);
     // 80 = 64 + 16, 20 more as a 24-row chunk padded from 20, then the 27 rows up to the
     // capacity as 24 + 1 + 1 + 1: no padded chunk fits past row 124.
-    let (mut a, na) = p.iree.prefill(&seq[..80], r).unwrap();
-    let (mut b, nb) = p.reference.prefill(&seq[..80], r).unwrap();
-    assert_close("prefill 80", &na, &nb);
-    let na = p.iree.extend(&mut a, &seq[80..100], r).unwrap();
-    let nb = p.reference.extend(&mut b, &seq[80..100], r).unwrap();
-    assert_close("extend to 100", &na, &nb);
-    let na = p.iree.extend(&mut a, &seq[100..cap - 1], r).unwrap();
-    let nb = p.reference.extend(&mut b, &seq[100..cap - 1], r).unwrap();
-    assert_close("extend to capacity - 1", &na, &nb);
-    let err = p.iree.extend(&mut a, &[1, 2], r).unwrap_err();
+    let (mut s, _) = Lockstep::prefill(&p.iree, &p.reference, "prefill 80", &seq[..80]);
+    s.extend("extend to 100", &seq[80..100]);
+    s.extend("extend to capacity - 1", &seq[100..cap - 1]);
+    let err = p.iree.extend(&mut s.a, &[1, 2], r).unwrap_err();
     assert_eq!(err.kind(), "context_overflow");
-    let err = p.iree.step(&mut a, 512, r).unwrap_err();
+    let err = p.iree.step(&mut s.a, 512, r).unwrap_err();
     assert_eq!(err.kind(), "token_out_of_range");
-    assert_eq!(p.iree.len(&a), cap - 1);
-    let na = p.iree.step(&mut a, seq[cap - 1], r).unwrap();
-    let nb = p.reference.step(&mut b, seq[cap - 1], r).unwrap();
-    assert_close("last step", &na, &nb);
+    assert_eq!(p.iree.len(&s.a), cap - 1);
+    s.step("last step", seq[cap - 1]);
 }
 
 fn snapshots_are_independent(p: &Pair) {
-    let r = Logits::Return;
     let seq = ids(40, 3);
-    let (mut a, _) = p.iree.prefill(&seq[..20], r).unwrap();
-    let (mut b, _) = p.reference.prefill(&seq[..20], r).unwrap();
-    let a_snap = p.iree.snapshot(&a).unwrap();
-    let b_snap = p.reference.snapshot(&b).unwrap();
+    let (mut s, _) = Lockstep::prefill(&p.iree, &p.reference, "prefill 20", &seq[..20]);
+    let mut snap = s.snapshot();
     // Diverge the original (a chunk and steps, so every KV buffer is written).
-    p.iree.extend(&mut a, &seq[20..37], r).unwrap();
-    p.reference.extend(&mut b, &seq[20..37], r).unwrap();
+    s.extend("original's extend after snapshot", &seq[20..37]);
     for &t in &seq[37..40] {
-        let na = p.iree.step(&mut a, t, r).unwrap();
-        let nb = p.reference.step(&mut b, t, r).unwrap();
-        assert_close("original after snapshot", &na, &nb);
+        s.step("original after snapshot", t);
     }
     // The snapshot still continues from token 20.
-    let (mut a2, mut b2) = (a_snap, b_snap);
     for (i, &t) in [7u32, 300, 42, 5, 6, 7, 8].iter().enumerate() {
-        let na = p.iree.step(&mut a2, t, r).unwrap();
-        let nb = p.reference.step(&mut b2, t, r).unwrap();
-        assert_close(&format!("snapshot step {i}"), &na, &nb);
+        snap.step(&format!("snapshot step {i}"), t);
     }
-    assert_eq!(p.iree.len(&a2), 27);
-    p.iree.release(a2).unwrap();
+    assert_eq!(p.iree.len(&snap.a), 27);
+    p.iree.release(snap.a).unwrap();
     // The original is unaffected by the snapshot's steps.
-    let na = p.iree.step(&mut a, 9, r).unwrap();
-    let nb = p.reference.step(&mut b, 9, r).unwrap();
-    assert_close("original after the snapshot diverged", &na, &nb);
+    s.step("original after the snapshot diverged", 9);
 }
 
 fn embeddings_input_matches_ids_input(p: &Pair) {
@@ -316,21 +352,12 @@ fn real_model_parity_and_timings() {
     let seq: Vec<u32> = (0..130u64)
         .map(|i| ((i * 2_654_435_761 + 12_345) % vocab) as u32)
         .collect();
-    let r = Logits::Return;
-
-    let (mut a, na) = iree.prefill(&seq[..100], r).unwrap();
-    let (mut b, nb) = reference.prefill(&seq[..100], r).unwrap();
-    let mut worst = assert_close("real prefill 100", &na, &nb);
-    let na = iree.extend(&mut a, &seq[100..120], r).unwrap();
-    let nb = reference.extend(&mut b, &seq[100..120], r).unwrap();
-    worst = worst.max(assert_close("real extend 20", &na, &nb));
-    let mut t = na.token;
+    let (mut s, _) = Lockstep::prefill(&iree, &reference, "real prefill 100", &seq[..100]);
+    let mut t = s.extend("real extend 20", &seq[100..120]).token;
     for i in 0..5 {
-        let na = iree.step(&mut a, t, r).unwrap();
-        let nb = reference.step(&mut b, t, r).unwrap();
-        worst = worst.max(assert_close(&format!("real step {i}"), &na, &nb));
-        t = na.token;
+        t = s.step(&format!("real step {i}"), t).token;
     }
+    let worst = s.worst;
     eprintln!("largest logit difference from the reference: {worst:.2e}");
 
     // Timings: min and median over repetitions (the min is robust to other load on the box).
@@ -622,17 +649,10 @@ fn both_input_kinds_serve_every_operation(p: &Pair) {
     };
     let m = IreeModel::load(&dir, &opts).expect("second input kind loads");
     assert_eq!(m.input(), other);
-    let r = Logits::Return;
     let seq = ids(23, 9);
-    let (mut a, na) = m.prefill(&seq[..10], r).unwrap();
-    let (mut b, nb) = p.reference.prefill(&seq[..10], r).unwrap();
-    assert_close("prefill", &na, &nb);
-    let na = m.extend(&mut a, &seq[10..22], r).unwrap();
-    let nb = p.reference.extend(&mut b, &seq[10..22], r).unwrap();
-    assert_close("extend", &na, &nb);
-    let na = m.step(&mut a, seq[22], r).unwrap();
-    let nb = p.reference.step(&mut b, seq[22], r).unwrap();
-    assert_close("step", &na, &nb);
+    let (mut s, _) = Lockstep::prefill(&m, &p.reference, "prefill", &seq[..10]);
+    s.extend("extend", &seq[10..22]);
+    s.step("step", seq[22]);
     assert_eq!(
         m.embedding_rows(&seq[..2]).unwrap(),
         p.reference.embedding_rows(&seq[..2]).unwrap()
