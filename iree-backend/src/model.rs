@@ -3,10 +3,11 @@
 //!
 //! One module holds every entry point; the weights are imported once from the memory-mapped
 //! `model.safetensors` (zero-copy on the CPU device where the tensor's address allows it, else
-//! uploaded once; on llvm-cpu the matrices from packed copies in
-//! [`WeightLayout::Panels`]) and passed to every call. A sequence of `n` tokens runs as chunks of
-//! the compiled sizes, largest first; the last short chunk is padded when a compiled size fits.
+//! uploaded once; stacked projections and, on llvm-cpu, every matrix from copies assembled in
+//! the module's [`WeightLayout`](graphs::WeightLayout)) and passed to every call. A sequence
+//! of `n` tokens runs as the chunk calls of least modelled cost (`plan_chunks`).
 
+use std::collections::HashMap;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -17,7 +18,7 @@ use kvsnap_reference::kernels::gather_rows;
 use kvsnap_reference::{Tensor, Weights};
 
 use crate::compile::{CompileProgress, Compiler, Target};
-use crate::graphs::{self, DType, Input, Manifest, Role, WeightLayout, DEFAULT_CHUNKS};
+use crate::graphs::{self, DType, Input, Manifest, Role, DEFAULT_CHUNKS};
 pub use crate::kv::IreeKv;
 use crate::kv::KvPool;
 use crate::resident::{self, Lease};
@@ -135,50 +136,91 @@ impl AsRef<[u8]> for TensorBytes {
     }
 }
 
-/// Imports one weight of the manifest onto `device` (`hf`: its spec in the HF layout):
-/// zero-copy from the memory-mapped file where the device allows it; a matrix in
-/// [`WeightLayout::Panels`] from a packed copy, after which the file's pages of it are
-/// released (the host reads only rows of the embedding table).
+/// Imports one weight argument of the manifest onto `device` (`hf`: the shapes of the
+/// model's tensors by HF name): zero-copy from the memory-mapped file where the device allows
+/// it and the argument is one tensor as the file holds it; otherwise (a matrix in panels,
+/// projections stacked into one argument) from a copy assembled part by part, each part's
+/// file pages released once copied (the host later reads only rows of the embedding table).
 fn import_weight(
     device: &Device,
     file: &Weights,
-    hf: &graphs::TensorSpec,
+    hf: &HashMap<String, Vec<usize>>,
     spec: &graphs::TensorSpec,
 ) -> Result<(BufferView, ImportMode)> {
-    let t = file.tensor(&spec.name, &hf.dims)?;
-    if spec.dims != hf.dims {
-        let cols = hf.dims[1];
-        let elems = spec.dims.iter().product::<usize>();
-        let bytes = elems * std::mem::size_of::<f32>();
-        let mut panels = AlignedBytes::zeroed(bytes).ok_or_else(|| Error::Backend {
-            backend: device.backend(),
-            op: format!("pack {} into panels", spec.name),
-            status: format!("out of host memory for {bytes} bytes"),
-        })?;
-        // Packed a slice of rows at a time, each slice's file pages released once packed, so
-        // that the load's RSS holds the packed matrix plus one slice, not two copies.
-        let lanes = spec.dims[2];
-        let rows_per_slice = PACK_SLICE_PANELS * lanes;
-        for (i, out) in panels
-            .as_mut_f32()
-            .chunks_mut(rows_per_slice * cols)
-            .enumerate()
-        {
-            let first = i * rows_per_slice;
-            let end = (first + rows_per_slice).min(hf.dims[0]);
-            let elems = first * cols..end * cols;
-            graphs::pack_panels(&t[elems.clone()], cols, lanes, out);
-            let _ = t.release_resident_range(elems);
+    let parts = if spec.parts.is_empty() {
+        std::slice::from_ref(&spec.name)
+    } else {
+        &spec.parts[..]
+    };
+    let mismatch = |what: String| Error::Backend {
+        backend: device.backend(),
+        op: format!("import weight {}", spec.name),
+        status: what,
+    };
+    let dims = parts
+        .iter()
+        .map(|name| {
+            hf.get(name).map(Vec::as_slice).ok_or_else(|| {
+                mismatch(format!(
+                    "the module asks for `{name}`, which the model's config does not describe"
+                ))
+            })
+        })
+        .collect::<Result<Vec<&[usize]>>>()?;
+    if let [one] = dims[..] {
+        if one == spec.dims {
+            let t = file.tensor(&parts[0], one)?;
+            let imported =
+                BufferView::import_host(device, TensorBytes(t), &spec.dims, ElementType::F32)?;
+            if let ImportMode::Copied { .. } = imported.1 {
+                // The device has its copy (Vulkan): the pages the upload read need not stay in
+                // this process's RSS (the host later reads only embedding rows).
+                let _ = file.tensor(&parts[0], one)?.release_resident_pages();
+            }
+            return Ok(imported);
         }
-        return BufferView::import_host(device, panels, &spec.dims, ElementType::F32);
     }
-    let imported = BufferView::import_host(device, TensorBytes(t), &spec.dims, ElementType::F32)?;
-    if let ImportMode::Copied { .. } = imported.1 {
-        // The device has its copy (Vulkan): the pages the upload read need not stay in this
-        // process's RSS (the host later reads only embedding rows).
-        let _ = file.tensor(&spec.name, &hf.dims)?.release_resident_pages();
+    // Matrices: `[rows, cols]` (stacked along rows) or `[panels, cols, lanes]`.
+    let (cols, lanes) = match spec.dims[..] {
+        [_, cols] => (cols, 1),
+        [_, cols, lanes] => (cols, lanes),
+        _ => return Err(mismatch(format!("{:?} is not a matrix", spec.dims))),
+    };
+    let rows: Vec<usize> = dims.iter().map(|d| d[0]).collect();
+    let offsets = graphs::stack_offsets(&rows, lanes);
+    let elems = spec.dims.iter().product::<usize>();
+    if dims.iter().any(|d| d.len() != 2 || d[1] != cols) || offsets[rows.len()] * cols != elems {
+        return Err(mismatch(format!(
+            "{:?} cannot hold the tensors {parts:?} of shapes {dims:?}",
+            spec.dims
+        )));
     }
-    Ok(imported)
+    let bytes = elems * std::mem::size_of::<f32>();
+    let mut out = AlignedBytes::zeroed(bytes).ok_or_else(|| Error::Backend {
+        backend: device.backend(),
+        op: format!("assemble weight {}", spec.name),
+        status: format!("out of host memory for {bytes} bytes"),
+    })?;
+    for ((name, &part_rows), &offset) in parts.iter().zip(&rows).zip(&offsets) {
+        let t = file.tensor(name, &[part_rows, cols])?;
+        let padded = part_rows.div_ceil(lanes) * lanes;
+        let dst = &mut out.as_mut_f32()[offset * cols..(offset + padded) * cols];
+        // Copied a slice of rows at a time, each slice's file pages released once copied, so
+        // that the load's RSS holds the assembled matrix plus one slice, not two copies.
+        let rows_per_slice = PACK_SLICE_PANELS * lanes;
+        for (i, dst) in dst.chunks_mut(rows_per_slice * cols).enumerate() {
+            let first = i * rows_per_slice;
+            let end = (first + rows_per_slice).min(part_rows);
+            let src = first * cols..end * cols;
+            if lanes == 1 {
+                dst.copy_from_slice(&t[src.clone()]);
+            } else {
+                graphs::pack_panels(&t[src.clone()], cols, lanes, dst);
+            }
+            let _ = t.release_resident_range(src);
+        }
+    }
+    BufferView::import_host(device, out, &spec.dims, ElementType::F32)
 }
 
 /// Builds the screened head's tensors ([`graphs::screen_specs`]) from the f32 table, as
@@ -207,7 +249,8 @@ fn import_screen(
     Ok((vec![q8, scale, slack], head.is_finite()))
 }
 
-/// Panels packed per slice when importing a matrix in panels (2048: 84 MB of a 640-wide one).
+/// Panels (rows, in `Rows`) copied per slice when assembling a weight (2048 panels: 84 MB of a
+/// 640-wide matrix).
 const PACK_SLICE_PANELS: usize = 2048;
 
 /// The `head` argument ([`graphs::Role::Head`]): no head, the full head, the screened token.
@@ -255,13 +298,15 @@ impl IreeModel {
 
         let file = Weights::open(&dir.join("model.safetensors"))?;
         let first = &g.manifest.entry_points[0];
-        let hf = graphs::weight_specs(&cfg, WeightLayout::Rows, WeightLayout::Rows);
+        let hf: HashMap<String, Vec<usize>> = graphs::hf_weight_specs(&cfg)
+            .into_iter()
+            .map(|t| (t.name, t.dims))
+            .collect();
         let mut imports = ImportStats::default();
         let weights = first
             .weights()
-            .zip(&hf)
-            .map(|(spec, hf)| {
-                let (view, mode) = import_weight(&device, &file, hf, spec)?;
+            .map(|spec| {
+                let (view, mode) = import_weight(&device, &file, &hf, spec)?;
                 let bytes = view.byte_length() as u64;
                 match mode {
                     ImportMode::ZeroCopy => {

@@ -591,7 +591,7 @@ fn graphs_build_for_tiny_and_real_configs_with_the_head_sliced() {
                 } else {
                     assert_eq!(ifs > 0, opts.branches || opts.screen, "{name}");
                 }
-                assert_eq!(e.weights().count(), 2 + 13 * cfg.num_layers());
+                assert_eq!(e.weights().count(), 2 + 10 * cfg.num_layers());
                 assert_eq!(e.screen().count(), if opts.screen { 3 } else { 0 });
                 assert_eq!(e.kv().count(), 2 * cfg.num_layers() + 1);
                 assert_eq!(e.results[0].role, Role::Next);
@@ -612,20 +612,37 @@ fn manifest_lists_weights_by_hf_name_in_call_order() {
     let names: Vec<&str> = e.weights().map(|w| w.name.as_str()).collect();
     assert_eq!(names[0], "model.embed_tokens.weight");
     assert_eq!(names[1], "model.layers.0.input_layernorm.weight");
-    assert_eq!(names[2], "model.layers.0.self_attn.q_proj.weight");
+    assert_eq!(names[2], "model.layers.0.self_attn.qkv_proj.weight");
     assert_eq!(
-        names[13],
+        names[10],
         "model.layers.0.post_feedforward_layernorm.weight"
     );
     assert_eq!(*names.last().unwrap(), "model.norm.weight");
-    let q = e
-        .weights()
-        .find(|w| w.name.ends_with("0.self_attn.q_proj.weight"))
-        .unwrap();
+    // q, k and v stacked along their output rows, gate and up likewise; the parts by HF name.
+    let qkv = e.weights().nth(2).unwrap();
+    let kv = cfg.num_key_value_heads * cfg.head_dim;
     assert_eq!(
-        q.dims,
-        [cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size]
+        qkv.dims,
+        [
+            cfg.num_attention_heads * cfg.head_dim + 2 * kv,
+            cfg.hidden_size
+        ]
     );
+    assert_eq!(
+        qkv.parts,
+        ["q_proj", "k_proj", "v_proj"].map(|p| format!("model.layers.0.self_attn.{p}.weight"))
+    );
+    let gate_up = e.weights().nth(8).unwrap();
+    assert_eq!(gate_up.name, "model.layers.0.mlp.gate_up_proj.weight");
+    assert_eq!(gate_up.dims, [2 * cfg.intermediate_size, cfg.hidden_size]);
+    assert_eq!(
+        gate_up.parts,
+        ["gate_proj", "up_proj"].map(|p| format!("model.layers.0.mlp.{p}.weight"))
+    );
+    assert!(e
+        .weights()
+        .filter(|w| !w.name.contains("qkv_proj") && !w.name.contains("gate_up_proj"))
+        .all(|w| w.parts.is_empty()));
     // Sliding layer 0 has a ring of the window; global layer 2 the full capacity.
     let kv: Vec<_> = e.kv().collect();
     assert_eq!(kv[0].name, "layers.0.k");
@@ -670,6 +687,7 @@ fn manifest_lists_weights_by_hf_name_in_call_order() {
         assert_eq!(pe.weights().count(), e.weights().count());
         for (panels, rows) in pe.weights().zip(e.weights()) {
             assert_eq!(panels.name, rows.name);
+            assert_eq!(panels.parts, rows.parts);
             let lanes = if rows.name == "model.embed_tokens.weight" {
                 if screen {
                     assert_eq!(panels.dims, rows.dims);
@@ -728,12 +746,20 @@ fn tiny_module_compiles() {
 
 #[test]
 fn prefill_products_deeper_than_640_are_split_into_blocks() {
-    // Per layer of a chunk function: q, k, v and gate, up (640 deep) one `mmt4d` each, o (1024)
-    // two, down (2048) four; a one-row chunk has none (its products are matvecs).
+    // Per layer of a chunk function: q, k, v and gate, up (640 deep) one `mmt4d` each (the
+    // stacked arguments one per part), o (1024) two, down (2048) four; a one-row chunk has
+    // none (its products are matvecs, one per stack).
     let cfg = real_config();
     let g = graphs::build(&cfg, &[1, 64], GraphOptions::llvm_cpu());
     let count = g.mlir.matches("\"linalg.mmt4d\"").count();
     assert_eq!(count, 2 * cfg.num_layers() * (5 + 2 + 4));
+    // Each part's `mmt4d` reads its panels of the stack: q's 32, k's and v's 8 each.
+    for panels in [32, 8] {
+        assert!(
+            g.mlir.contains(&format!("tensor<{panels}x640x32x1xf32>")),
+            "{panels} panels"
+        );
+    }
     assert!(
         g.mlir.contains("tensor<8x512x8x1xf32>"),
         "a 512-deep block of 8-row tiles"

@@ -552,6 +552,29 @@ fn screened_head_matches_the_reference_screen_on_planted_tables() {
     assert_eq!(run(&base, &h), -1, "NaN state");
 }
 
+/// Writes a variant of the tiny model into a fresh temporary directory named after `tag`: its
+/// `config.json` edited by `config`, random weights from `seed` edited by `weights`. Returns
+/// the directory and the config as the models read it.
+fn tiny_variant(
+    tag: &str,
+    config: impl FnOnce(&mut serde_json::Value),
+    seed: u64,
+    weights: impl FnOnce(&kvsnap_contract::ModelConfig, &mut [kvsnap_reference::TensorOut]),
+) -> (std::path::PathBuf, kvsnap_contract::ModelConfig) {
+    use kvsnap_reference::tiny::{config_json, random_weights};
+
+    let dir = std::env::temp_dir().join(format!("kvsnap-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut json: serde_json::Value = serde_json::from_str(&config_json(Preset::Tiny)).unwrap();
+    config(&mut json);
+    std::fs::write(dir.join("config.json"), json.to_string()).unwrap();
+    let cfg = kvsnap_contract::ModelConfig::from_file(&dir.join("config.json")).unwrap();
+    let mut tensors = random_weights(&cfg, seed);
+    weights(&cfg, &mut tensors);
+    kvsnap_reference::write_safetensors(&dir.join("model.safetensors"), &tensors, None).unwrap();
+    (dir, cfg)
+}
+
 /// The host's fallback when the screen cannot settle the token: a model whose embedding rows
 /// are all alike leaves every 16-row block a candidate (64 of them, more than the screen
 /// recomputes), so each call without logits runs its chunk again with the full head. The
@@ -559,30 +582,21 @@ fn screened_head_matches_the_reference_screen_on_planted_tables() {
 /// agrees, and the state the rerun leaves continues exactly as one built with logits.
 #[test]
 fn unsettled_screen_reruns_the_chunk_with_the_full_head() {
-    use kvsnap_contract::ModelConfig;
-    use kvsnap_reference::tiny::{config_json, random_weights};
-    use kvsnap_reference::write_safetensors;
-
     if let Err(e) = Compiler::discover() {
         eprintln!("SKIPPED: iree-compile not found ({e})");
         return;
     }
-    let dir = std::env::temp_dir().join(format!("kvsnap-screen-rerun-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let mut json: serde_json::Value = serde_json::from_str(&config_json(Preset::Tiny)).unwrap();
-    json["vocab_size"] = 1024.into();
-    std::fs::write(dir.join("config.json"), json.to_string()).unwrap();
-    let cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
-    let mut tensors = random_weights(&cfg, 3);
-    let embed = tensors
-        .iter_mut()
-        .find(|t| t.name == "model.embed_tokens.weight")
-        .unwrap();
-    let row = embed.data[..cfg.hidden_size].to_vec();
-    for r in embed.data.chunks_exact_mut(cfg.hidden_size) {
-        r.copy_from_slice(&row);
-    }
-    write_safetensors(&dir.join("model.safetensors"), &tensors, None).unwrap();
+    let config = |json: &mut serde_json::Value| json["vocab_size"] = 1024.into();
+    let (dir, _) = tiny_variant("screen-rerun", config, 3, |cfg, tensors| {
+        let embed = tensors
+            .iter_mut()
+            .find(|t| t.name == "model.embed_tokens.weight")
+            .unwrap();
+        let row = embed.data[..cfg.hidden_size].to_vec();
+        for r in embed.data.chunks_exact_mut(cfg.hidden_size) {
+            r.copy_from_slice(&row);
+        }
+    });
     let iree = IreeModel::load(&dir, &IreeOptions::cpu()).unwrap();
     let reference = ReferenceModel::load(&dir).unwrap();
     let (skip, ret) = (Logits::Skip, Logits::Return);
@@ -617,6 +631,76 @@ fn unsettled_screen_reruns_the_chunk_with_the_full_head() {
     let lb = iree.step(&mut b, 11, ret).unwrap();
     assert_eq!(la.logits, lb.logits);
     assert_eq!(iree.len(&a), ids.len() + 4);
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Projections stacked into one argument whose parts end mid-panel: head_dim 20 makes q 80
+/// rows and k and v 40 each (2.5 and 1.25 panels of 32 lanes), ffn 72 makes gate and up 2.25
+/// panels each. In panels (llvm-cpu) each part starts at a whole panel, after zero padding; in
+/// rows (Vulkan) right after the previous one. A prefill, an extend and steps match the
+/// reference on each target.
+#[test]
+fn stacked_projections_with_partial_panels_match_the_reference() {
+    use kvsnap_iree::graphs::PROJECTION_LANES;
+
+    if let Err(e) = Compiler::discover() {
+        eprintln!("SKIPPED: iree-compile not found ({e})");
+        return;
+    }
+    let config = |json: &mut serde_json::Value| {
+        json["head_dim"] = 20.into();
+        json["intermediate_size"] = 72.into();
+    };
+    let (dir, cfg) = tiny_variant("stacked", config, 5, |_, _| {});
+    let reference = ReferenceModel::load(&dir).unwrap();
+    let seq = ids(40, 9);
+    for target in [Target::LlvmCpu, Target::VulkanSpirv] {
+        let opts = IreeOptions {
+            target,
+            chunks: vec![8],
+            ..IreeOptions::cpu()
+        };
+        let iree = match IreeModel::load(&dir, &opts) {
+            Ok(m) => m,
+            Err(e) if target == Target::VulkanSpirv && e.kind() == "unsupported" => {
+                eprintln!("SKIPPED: the Vulkan half: no Vulkan device ({e})");
+                continue;
+            }
+            Err(e) => panic!("IREE model on {}: {e}", target.name()),
+        };
+        let weights: Vec<_> = iree.manifest().entry_points[0].weights().cloned().collect();
+        let qkv = weights
+            .iter()
+            .find(|w| w.name == "model.layers.0.self_attn.qkv_proj.weight")
+            .expect("q, k and v stacked");
+        assert_eq!(
+            qkv.parts,
+            ["q_proj", "k_proj", "v_proj"].map(|p| format!("model.layers.0.self_attn.{p}.weight"))
+        );
+        let gate_up = weights
+            .iter()
+            .find(|w| w.name == "model.layers.0.mlp.gate_up_proj.weight")
+            .expect("gate and up stacked");
+        let lanes = PROJECTION_LANES;
+        let (h, w) = (cfg.hidden_size, target.name());
+        match target {
+            Target::LlvmCpu => {
+                assert_eq!(qkv.dims, [3 + 2 + 2, h, lanes], "{w}");
+                assert_eq!(gate_up.dims, [3 + 3, h, lanes], "{w}");
+            }
+            Target::VulkanSpirv => {
+                assert_eq!(qkv.dims, [80 + 40 + 40, h], "{w}");
+                assert_eq!(gate_up.dims, [72 + 72, h], "{w}");
+            }
+        }
+        // 13 rows as 8 + 8 (the last padded), 11 as 8 + 8, then steps.
+        let (mut s, _) = Lockstep::prefill(&iree, &reference, "prefill 13", &seq[..13]);
+        let mut t = s.extend("extend 11", &seq[13..24]).token;
+        for i in 0..6 {
+            t = s.step(&format!("{w}: step {i}"), t).token;
+        }
+        assert_eq!(iree.len(&s.a), 30, "{w}");
+    }
     std::fs::remove_dir_all(&dir).ok();
 }
 

@@ -73,39 +73,34 @@ fn depth_blocks(k: usize) -> Vec<(usize, usize)> {
 }
 
 /// One layer's weights as function arguments, in [`super::LAYER_WEIGHTS`] order; the HF
-/// shapes are given, the matrices come in the module's [`WeightLayout`].
+/// shapes are given, the matrices come in the module's [`WeightLayout`], stacked ones with
+/// each part at [`WeightLayout::stack_offsets`].
 pub(super) struct LayerWeights {
     pub input_layernorm: Value,            // [hidden]
-    pub q_proj: Value,                     // [heads * hd, hidden]
-    pub k_proj: Value,                     // [kv_heads * hd, hidden]
-    pub v_proj: Value,                     // [kv_heads * hd, hidden]
+    pub qkv_proj: Value,                   // q, k, v: [(heads + 2 kv_heads) * hd, hidden]
     pub q_norm: Value,                     // [hd]
     pub k_norm: Value,                     // [hd]
     pub o_proj: Value,                     // [hidden, heads * hd]
     pub post_attention_layernorm: Value,   // [hidden]
     pub pre_feedforward_layernorm: Value,  // [hidden]
-    pub gate_proj: Value,                  // [ffn, hidden]
-    pub up_proj: Value,                    // [ffn, hidden]
+    pub gate_up_proj: Value,               // gate, up: [2 ffn, hidden]
     pub down_proj: Value,                  // [hidden, ffn]
     pub post_feedforward_layernorm: Value, // [hidden]
 }
 
 impl LayerWeights {
-    /// Takes the 13 weights of one layer from `args` (in call order).
+    /// Takes the 10 weights of one layer from `args` (in call order).
     pub fn from_args(args: &mut impl Iterator<Item = Value>) -> Self {
-        let mut next = || args.next().expect("13 weights per layer");
+        let mut next = || args.next().expect("10 weights per layer");
         LayerWeights {
             input_layernorm: next(),
-            q_proj: next(),
-            k_proj: next(),
-            v_proj: next(),
+            qkv_proj: next(),
             q_norm: next(),
             k_norm: next(),
             o_proj: next(),
             post_attention_layernorm: next(),
             pre_feedforward_layernorm: next(),
-            gate_proj: next(),
-            up_proj: next(),
+            gate_up_proj: next(),
             down_proj: next(),
             post_feedforward_layernorm: next(),
         }
@@ -168,40 +163,80 @@ impl<'a> Forward<'a> {
 
     /// `x . W^T` for a `[out, in]` weight `w` in the module's [`WeightLayout`] and `[C, in]`
     /// rows `x`: `[C, out]`.
-    ///
-    /// - `Rows`: `transpose(W . x^T)` with the HF weight as the left operand of `dot_general`,
-    ///   which IREE compiles without transposing the weight per call (see IREE-NOTES).
-    /// - `Panels`: the decode step's row as [`Forward::panel_matvec`], a chunk of rows as
-    ///   [`Forward::panel_matmul`]; rows past `out` (padding of the last panel) are cut off.
     fn linear(&mut self, w: &Value, x: &Value, out: usize) -> Value {
+        let [y] = self.linear_stack(w, x, [out]);
+        y
+    }
+
+    /// `x . W_i^T` for each of the `N` matrices of `outs[i]` output rows stacked into `w`
+    /// ([`WeightLayout::stack_offsets`]) and `[C, in]` rows `x`: `[C, outs[i]]` each.
+    ///
+    /// - `Rows`: one product over the stack, `transpose(W . x^T)` with the weight as the left
+    ///   operand of `dot_general`, which IREE compiles without transposing the weight per
+    ///   call (see IREE-NOTES).
+    /// - `Panels`: the decode step's row as one [`Forward::panel_matvec`] over the stack; a
+    ///   chunk of rows as one [`Forward::panel_matmul`] per part, over its panels (a slice of
+    ///   the argument, which IREE reads in place). One `mmt4d` over the stack would need its
+    ///   whole result unpacked before the parts are sliced off, where each part's unpack
+    ///   fuses into its consumer: a 128-row chunk ran 169 ms that way against 163
+    ///   (docs/BENCHMARKS.md, twenty-third pass). Rows a part's last panel pads are cut off.
+    fn linear_stack<const N: usize>(
+        &mut self,
+        w: &Value,
+        x: &Value,
+        outs: [usize; N],
+    ) -> [Value; N] {
         let c = x.dims()[0];
-        match self.opts.layout {
+        let offsets = self.opts.layout.stack_offsets(&outs);
+        if self.opts.layout == WeightLayout::Panels && c > 1 {
+            let (cols, lanes) = (w.dims()[1], w.dims()[2]);
+            assert_eq!(
+                w.dims()[0] * lanes,
+                offsets[N],
+                "linear: weight {} for outputs {outs:?}",
+                w.ty
+            );
+            return std::array::from_fn(|i| {
+                let panels = (offsets[i] / lanes, offsets[i + 1] / lanes);
+                let part = if panels == (0, w.dims()[0]) {
+                    w.clone()
+                } else {
+                    self.b.slice(w, &[panels.0, 0, 0], &[panels.1, cols, lanes])
+                };
+                let y = self.panel_matmul(&part, x);
+                if y.dims()[1] == outs[i] {
+                    y
+                } else {
+                    self.b.slice(&y, &[0, 0], &[c, outs[i]])
+                }
+            });
+        }
+        let y = match self.opts.layout {
             WeightLayout::Rows => {
-                assert_eq!(
-                    w.dims()[0],
-                    out,
-                    "linear: weight {} for {out} outputs",
-                    w.ty
-                );
-                let t = self.b.dot_general(w, x, &DotDims::contract(1, 1)); // [out, C]
+                let t = self.b.dot_general(w, x, &DotDims::contract(1, 1)); // [rows, C]
                 self.b.transpose(&t, &[1, 0])
             }
             WeightLayout::Panels => {
-                let y = if c == 1 {
-                    let v = self.b.reshape(x, &[x.dims()[1]]);
-                    let y = self.panel_matvec(w, &v);
-                    let n = y.dims()[0];
-                    self.b.reshape(&y, &[1, n])
-                } else {
-                    self.panel_matmul(w, x)
-                };
-                if y.dims()[1] > out {
-                    self.b.slice(&y, &[0, 0], &[c, out])
-                } else {
-                    y
-                }
+                let v = self.b.reshape(x, &[x.dims()[1]]);
+                let y = self.panel_matvec(w, &v);
+                let n = y.dims()[0];
+                self.b.reshape(&y, &[1, n])
             }
-        }
+        };
+        assert_eq!(
+            y.dims()[1],
+            offsets[N],
+            "linear: weight {} for outputs {outs:?}",
+            w.ty
+        );
+        std::array::from_fn(|i| {
+            let (start, end) = (offsets[i], offsets[i] + outs[i]);
+            if (start, end) == (0, y.dims()[1]) {
+                y.clone()
+            } else {
+                self.b.slice(&y, &[0, start], &[c, end])
+            }
+        })
     }
 
     /// `W . v` for panels `w` (`[P, in, L]`) and `v` (`[in]`): `[L P]`, as a reduction over
@@ -508,8 +543,7 @@ impl<'a> Forward<'a> {
     /// `down(gelu_tanh(gate(x)) * up(x))`, GELU written as the reference's `gelu_tanh`.
     fn mlp(&mut self, w: &LayerWeights, x: &Value) -> Value {
         let ffn = self.cfg.intermediate_size;
-        let g = self.linear(&w.gate_proj, x, ffn);
-        let u = self.linear(&w.up_proj, x, ffn);
+        let [g, u] = self.linear_stack(&w.gate_up_proj, x, [ffn, ffn]);
         let dims = g.dims().to_vec();
         // 0.5 * x * (1 + tanh(SQRT_2_OVER_PI * (x + 0.044715 * x * x * x)))
         let c = self.f32(0.044715, &dims);
@@ -546,11 +580,10 @@ impl<'a> Forward<'a> {
         let cfg = self.cfg;
         let (c, hd, kvh) = (ch.c, cfg.head_dim, cfg.num_key_value_heads);
         let g = cfg.group_size();
-        let q = self.linear(&w.q_proj, x, cfg.num_attention_heads * hd);
+        let outs = [cfg.num_attention_heads * hd, kvh * hd, kvh * hd];
+        let [q, k, v] = self.linear_stack(&w.qkv_proj, x, outs);
         let q = self.b.reshape(&q, &[c, kvh, g, hd]);
-        let k = self.linear(&w.k_proj, x, kvh * hd);
         let k = self.b.reshape(&k, &[c, kvh, hd]);
-        let v = self.linear(&w.v_proj, x, kvh * hd);
         let v = self.b.reshape(&v, &[c, kvh, hd]);
         let q = self.rms_norm(&q, &w.q_norm);
         let k = self.rms_norm(&k, &w.k_norm);
@@ -588,8 +621,13 @@ impl<'a> Forward<'a> {
         (self.linear(&w.o_proj, &o, cfg.hidden_size), k_buf, v_buf)
     }
 
-    /// `select(i < valid, x[i, ...], 0)` over the first (chunk) dim.
+    /// `select(i < valid, x[i, ...], 0)` over the first (chunk) dim; `x` itself in a one-row
+    /// chunk, which has no padding (`valid` is 1). (The decode step's v, a slice of the
+    /// stacked q/k/v product, would otherwise take a dispatch of its own for the select.)
     fn zero_padding(&mut self, x: &Value, ch: &Chunk) -> Value {
+        if ch.c == 1 {
+            return x.clone();
+        }
         let dims = x.dims().to_vec();
         let keep = self.b.broadcast_in_dim(&ch.row_valid, &dims, &[0]);
         let zero = self.f32(0.0, &dims);

@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 /// Format name written into every manifest.
 pub const MANIFEST_FORMAT: &str = "kvsnap-iree-graphs";
 /// Version of the manifest layout and of the entry-point conventions it describes.
-pub const MANIFEST_VERSION: u32 = 6;
+pub const MANIFEST_VERSION: u32 = 7;
 
 /// Element type of an argument or result.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -39,9 +39,10 @@ pub enum Role {
     /// screen, with zero logits, and `next` -1 where the screen cannot settle it (the caller
     /// then runs the chunk again with 1).
     Head,
-    /// A model weight; `name` is its HF tensor name. Vectors (norms) in the HF layout of
-    /// `model.safetensors`, matrices (the embedding table and the projections) in the
-    /// manifest's [`WeightLayout`].
+    /// A model weight; `name` is its HF tensor name, or for projections stacked into one
+    /// argument a name of no HF tensor, with the HF tensors it holds in
+    /// [`TensorSpec::parts`]. Vectors (norms) in the HF layout of `model.safetensors`,
+    /// matrices (the embedding table and the projections) in the manifest's [`WeightLayout`].
     Weight,
     /// A tensor of the screened head, derived from `model.embed_tokens.weight` when the model
     /// is loaded ([`SCREEN_WEIGHTS`]): the int8 table in panels of [`TABLE_LANES`], each row's
@@ -68,6 +69,11 @@ pub struct TensorSpec {
     pub dims: Vec<usize>,
     /// Element type.
     pub dtype: DType,
+    /// For a weight that stacks HF matrices along its output rows ([`LAYER_WEIGHTS`]): their
+    /// HF names in order, part `i` from row [`WeightLayout::stack_offsets`]`[i]`; empty for a
+    /// tensor that is the one named `name`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub parts: Vec<String>,
 }
 
 /// Lanes per panel of the embedding table (also the tied head) in [`WeightLayout::Panels`]:
@@ -111,12 +117,34 @@ impl WeightLayout {
         self.dims(rows, cols, PROJECTION_LANES)
     }
 
+    /// Where each of the matrices of `rows` output rows starts when they are stacked into one
+    /// projection, then the stacked matrix's rows: in `Rows` one right after the other; in
+    /// `Panels` each at a whole panel, its last panel zero-padded, so that a part's rows are
+    /// packed exactly as they would be alone.
+    pub fn stack_offsets(self, rows: &[usize]) -> Vec<usize> {
+        let lanes = match self {
+            WeightLayout::Rows => 1,
+            WeightLayout::Panels => PROJECTION_LANES,
+        };
+        stack_offsets(rows, lanes)
+    }
+
     fn dims(self, rows: usize, cols: usize, lanes: usize) -> Vec<usize> {
         match self {
             WeightLayout::Rows => vec![rows, cols],
             WeightLayout::Panels => vec![rows.div_ceil(lanes), cols, lanes],
         }
     }
+}
+
+/// Where each of the matrices of `rows` output rows starts when they are stacked, each at a
+/// multiple of `lanes` (1: right after the previous one), then the stacked rows.
+pub fn stack_offsets(rows: &[usize], lanes: usize) -> Vec<usize> {
+    let mut offsets = vec![0];
+    for r in rows {
+        offsets.push(offsets.last().expect("starts with 0") + r.div_ceil(lanes) * lanes);
+    }
+    offsets
 }
 
 /// Writes a row-major `[rows, cols]` matrix into `out` as the `[ceil(rows / lanes), cols,
@@ -295,10 +323,10 @@ impl EntryPoint {
     }
 }
 
-/// The weights every entry point takes, in call order, with their HF names and shapes:
-/// `model.embed_tokens.weight` in `table`, then per layer the 13 tensors of [`LAYER_WEIGHTS`]
-/// (the projections in `layout`), then `model.norm.weight` (with [`WeightLayout::Rows`], the
-/// shapes of `model.safetensors`).
+/// The weights every entry point takes, in call order, with their names and shapes:
+/// `model.embed_tokens.weight` in `table`, then per layer the 10 arguments of
+/// [`LAYER_WEIGHTS`] (the projections in `layout`, q, k and v stacked into one, gate and up
+/// into another), then `model.norm.weight`.
 pub fn weight_specs(
     cfg: &ModelConfig,
     table: WeightLayout,
@@ -310,13 +338,39 @@ pub fn weight_specs(
         &table.table_dims(cfg.vocab_size, h),
     )];
     for layer in 0..cfg.num_layers() {
-        for (suffix, _) in LAYER_WEIGHTS {
+        for (suffix, parts) in LAYER_WEIGHTS {
             let name = format!("model.layers.{layer}.{suffix}");
-            let dims = match layer_weight_dims(cfg, suffix)[..] {
-                [rows, cols] => layout.projection_dims(rows, cols),
-                ref vector => vector.to_vec(),
+            let mut spec = match layer_weight_dims(cfg, parts[0])[..] {
+                [_, cols] => {
+                    let rows: Vec<usize> =
+                        parts.iter().map(|p| layer_weight_dims(cfg, p)[0]).collect();
+                    let stacked = *layout.stack_offsets(&rows).last().expect("one part");
+                    weight(&name, &layout.projection_dims(stacked, cols))
+                }
+                ref vector => weight(&name, vector),
             };
-            out.push(weight(&name, &dims));
+            if parts != [suffix] {
+                spec.parts = parts
+                    .iter()
+                    .map(|p| format!("model.layers.{layer}.{p}"))
+                    .collect();
+            }
+            out.push(spec);
+        }
+    }
+    out.push(weight("model.norm.weight", &[h]));
+    out
+}
+
+/// The model's weight tensors the entry points read, as `model.safetensors` holds them (HF
+/// names and shapes): the embedding table, every layer's 13 tensors, the final norm.
+pub fn hf_weight_specs(cfg: &ModelConfig) -> Vec<TensorSpec> {
+    let h = cfg.hidden_size;
+    let mut out = vec![weight("model.embed_tokens.weight", &[cfg.vocab_size, h])];
+    for layer in 0..cfg.num_layers() {
+        for suffix in LAYER_WEIGHTS.iter().flat_map(|(_, parts)| parts.iter()) {
+            let name = format!("model.layers.{layer}.{suffix}");
+            out.push(weight(&name, &layer_weight_dims(cfg, suffix)));
         }
     }
     out.push(weight("model.norm.weight", &[h]));
@@ -336,6 +390,7 @@ pub fn screen_specs(cfg: &ModelConfig) -> Vec<TensorSpec> {
         role: Role::Screen,
         dims: dims.to_vec(),
         dtype,
+        parts: Vec::new(),
     };
     vec![
         spec(q8, &panels, DType::I8),
@@ -344,21 +399,44 @@ pub fn screen_specs(cfg: &ModelConfig) -> Vec<TensorSpec> {
     ]
 }
 
-/// Per-layer weight names (after `model.layers.{i}.`) in call order, with what each is.
-pub const LAYER_WEIGHTS: [(&str, &str); 13] = [
-    ("input_layernorm.weight", "[hidden]"),
-    ("self_attn.q_proj.weight", "[heads * head_dim, hidden]"),
-    ("self_attn.k_proj.weight", "[kv_heads * head_dim, hidden]"),
-    ("self_attn.v_proj.weight", "[kv_heads * head_dim, hidden]"),
-    ("self_attn.q_norm.weight", "[head_dim]"),
-    ("self_attn.k_norm.weight", "[head_dim]"),
-    ("self_attn.o_proj.weight", "[hidden, heads * head_dim]"),
-    ("post_attention_layernorm.weight", "[hidden]"),
-    ("pre_feedforward_layernorm.weight", "[hidden]"),
-    ("mlp.gate_proj.weight", "[ffn, hidden]"),
-    ("mlp.up_proj.weight", "[ffn, hidden]"),
-    ("mlp.down_proj.weight", "[hidden, ffn]"),
-    ("post_feedforward_layernorm.weight", "[hidden]"),
+/// Per-layer weight arguments (after `model.layers.{i}.`) in call order, each with the HF
+/// tensors (after the same prefix) it holds. Projections that read the same input are stacked
+/// along their output rows into one argument ([`WeightLayout::stack_offsets`]), so that one
+/// product computes them: q, k and v as `self_attn.qkv_proj.weight` (`[(heads + 2 kv_heads)
+/// head_dim, hidden]` in HF terms), gate and up as `mlp.gate_up_proj.weight` (`[2 ffn,
+/// hidden]`); names of no HF tensor. A decode step then streams each stack as one matvec
+/// (one dispatch, one long stream, where k's and v's short ones ran slower), 54 dispatches
+/// fewer on Gemma 3 270M.
+pub const LAYER_WEIGHTS: [(&str, &[&str]); 10] = [
+    ("input_layernorm.weight", &["input_layernorm.weight"]),
+    (
+        "self_attn.qkv_proj.weight",
+        &[
+            "self_attn.q_proj.weight",
+            "self_attn.k_proj.weight",
+            "self_attn.v_proj.weight",
+        ],
+    ),
+    ("self_attn.q_norm.weight", &["self_attn.q_norm.weight"]),
+    ("self_attn.k_norm.weight", &["self_attn.k_norm.weight"]),
+    ("self_attn.o_proj.weight", &["self_attn.o_proj.weight"]),
+    (
+        "post_attention_layernorm.weight",
+        &["post_attention_layernorm.weight"],
+    ),
+    (
+        "pre_feedforward_layernorm.weight",
+        &["pre_feedforward_layernorm.weight"],
+    ),
+    (
+        "mlp.gate_up_proj.weight",
+        &["mlp.gate_proj.weight", "mlp.up_proj.weight"],
+    ),
+    ("mlp.down_proj.weight", &["mlp.down_proj.weight"]),
+    (
+        "post_feedforward_layernorm.weight",
+        &["post_feedforward_layernorm.weight"],
+    ),
 ];
 
 fn layer_weight_dims(cfg: &ModelConfig, suffix: &str) -> Vec<usize> {
@@ -382,6 +460,7 @@ fn weight(name: &str, dims: &[usize]) -> TensorSpec {
         role: Role::Weight,
         dims: dims.to_vec(),
         dtype: DType::F32,
+        parts: Vec::new(),
     }
 }
 
@@ -403,6 +482,7 @@ pub fn kv_specs(cfg: &ModelConfig, ring: RingGeometry) -> Vec<TensorSpec> {
                 role: Role::Kv,
                 dims: vec![rows, cfg.num_key_value_heads, cfg.head_dim],
                 dtype: DType::F32,
+                parts: Vec::new(),
             });
         }
     }
@@ -411,6 +491,7 @@ pub fn kv_specs(cfg: &ModelConfig, ring: RingGeometry) -> Vec<TensorSpec> {
         role: Role::Kv,
         dims: vec![ring.rows],
         dtype: DType::I32,
+        parts: Vec::new(),
     });
     out
 }
@@ -458,5 +539,42 @@ mod tests {
         }
         assert_eq!(WeightLayout::Rows.table_dims(37, 3), [37, 3]);
         assert_eq!(WeightLayout::Rows.projection_dims(69, 3), [69, 3]);
+    }
+
+    #[test]
+    fn stacked_parts_start_at_whole_panels_in_panels_and_back_to_back_in_rows() {
+        let (rows, panels) = (WeightLayout::Rows, WeightLayout::Panels);
+        assert_eq!(rows.stack_offsets(&[80, 40, 40]), [0, 80, 120, 160]);
+        assert_eq!(panels.stack_offsets(&[80, 40, 40]), [0, 96, 160, 224]);
+        assert_eq!(
+            panels.stack_offsets(&[1024, 256, 256]),
+            [0, 1024, 1280, 1536]
+        );
+        assert_eq!(stack_offsets(&[5, 1], 16), [0, 16, 32]);
+
+        // Gemma 3 270M: q, k and v as 48 panels, gate and up as 128; the HF tensors unstacked.
+        let cfg = kvsnap_reference::tiny::config(kvsnap_reference::tiny::Preset::RealShapes);
+        let specs = weight_specs(&cfg, panels, panels);
+        let dims = |name: &str| &specs.iter().find(|s| s.name == name).unwrap().dims;
+        assert_eq!(
+            dims("model.layers.3.self_attn.qkv_proj.weight"),
+            &[48, 640, 32]
+        );
+        assert_eq!(
+            dims("model.layers.3.mlp.gate_up_proj.weight"),
+            &[128, 640, 32]
+        );
+        assert_eq!(specs.len(), 2 + 10 * 18);
+        let hf = hf_weight_specs(&cfg);
+        assert_eq!(hf.len(), 2 + 13 * 18);
+        let k = hf
+            .iter()
+            .find(|s| s.name == "model.layers.3.self_attn.k_proj.weight")
+            .unwrap();
+        assert_eq!(k.dims, [256, 640]);
+        // Every part of every argument is one of the HF tensors.
+        for part in specs.iter().flat_map(|s| &s.parts) {
+            assert!(hf.iter().any(|t| &t.name == part), "{part}");
+        }
     }
 }

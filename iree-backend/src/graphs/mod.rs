@@ -15,9 +15,10 @@
 //!   padding and change nothing (`1 <= valid <= C`, `pos0 + C <= capacity`).
 //! - `emb` rows are raw embedding rows; the graph multiplies them by `sqrt(hidden)` (rounded to
 //!   f32), as it does the gathered rows of `ids`.
-//! - Weights in [`weight_specs`] order: `model.embed_tokens.weight`, 13 per layer
-//!   ([`LAYER_WEIGHTS`]), `model.norm.weight`; the matrices in the module's [`WeightLayout`],
-//!   the norms as in `model.safetensors`.
+//! - Weights in [`weight_specs`] order: `model.embed_tokens.weight`, 10 per layer
+//!   ([`LAYER_WEIGHTS`]: q, k and v stacked into one matrix, gate and up into another),
+//!   `model.norm.weight`; the matrices in the module's [`WeightLayout`], the norms as in
+//!   `model.safetensors`.
 //! - KV in [`kv_specs`] order (K then V per layer, then the `sliding.positions` table): global
 //!   layers `[capacity, kv_heads, head_dim]` (position `p` in row `p`); sliding layers
 //!   `[ring.rows, kv_heads, head_dim]` with the chunk written at row `pos0 % ring.modulus`
@@ -45,9 +46,10 @@ use crate::emit::{ElemType, FuncBuilder, Module, TensorType, Value};
 use forward::{Forward, LayerWeights, Screen};
 pub use forward::{SCREEN_BLOCK, SCREEN_BLOCKS};
 pub use manifest::{
-    kv_layouts, kv_specs, pack_panels, screen_specs, weight_specs, DType, EntryPoint, KvLayout,
-    Manifest, RingGeometry, Role, TensorSpec, WeightLayout, LAYER_WEIGHTS, MANIFEST_FORMAT,
-    MANIFEST_VERSION, PROJECTION_LANES, SCREEN_WEIGHTS, SLIDING_POSITIONS, TABLE_LANES,
+    hf_weight_specs, kv_layouts, kv_specs, pack_panels, screen_specs, stack_offsets, weight_specs,
+    DType, EntryPoint, KvLayout, Manifest, RingGeometry, Role, TensorSpec, WeightLayout,
+    LAYER_WEIGHTS, MANIFEST_FORMAT, MANIFEST_VERSION, PROJECTION_LANES, SCREEN_WEIGHTS,
+    SLIDING_POSITIONS, TABLE_LANES,
 };
 pub use tuning::llvm_cpu_tuning_spec;
 
@@ -353,6 +355,7 @@ fn spec(name: &str, role: Role, dims: &[usize], dtype: DType) -> TensorSpec {
         role,
         dims: dims.to_vec(),
         dtype,
+        parts: Vec::new(),
     }
 }
 
