@@ -768,11 +768,11 @@ fn prefill_products_deeper_than_640_are_split_into_blocks() {
     assert_eq!(rows.mlir.matches("\"linalg.mmt4d\"").count(), 0);
 }
 
-/// The llvm-cpu module's tuning spec covers every `P . V` product its prefill chunks run (the
-/// sliding ring, each live span of the global layers) in workgroups of whole row tiles, and
-/// none of the decode step's.
+/// The llvm-cpu module's tuning spec covers every `P . V` product its chunks run (the sliding
+/// ring, each live span of the global layers, each decode step entry point's span) in
+/// workgroups of whole row tiles.
 #[test]
-fn the_tuning_spec_tiles_each_prefill_attention_product_and_no_decode_one() {
+fn the_tuning_spec_tiles_each_attention_product_in_whole_row_tiles() {
     let cfg = real_config();
     let g = graphs::build(&cfg, &DEFAULT_CHUNKS, GraphOptions::llvm_cpu());
     let spec = g
@@ -780,14 +780,18 @@ fn the_tuning_spec_tiles_each_prefill_attention_product_and_no_decode_one() {
         .expect("llvm-cpu graphs come with a tuning spec");
     let (hd, heads) = (cfg.head_dim, cfg.num_attention_heads);
     let ring = g.manifest.ring.rows;
+    // The matcher of `P [m, rows]`, up to its yield.
+    let matcher = |m: usize, rows: usize| {
+        let p = format!("%p = tensor<{m}x{rows}xf32>");
+        let at = spec
+            .find(&p)
+            .unwrap_or_else(|| panic!("no matcher for P [{m}, {rows}]"));
+        &spec[at..at + spec[at..].find("transform.yield").unwrap()]
+    };
     for &c in DEFAULT_CHUNKS.iter().filter(|&&c| c > 1) {
         let m = c * heads;
         for rows in [ring, 512, 1024, 2048, cfg.context_capacity] {
-            let p = format!("%p = tensor<{m}x{rows}xf32>");
-            let at = spec
-                .find(&p)
-                .unwrap_or_else(|| panic!("chunk {c}: no matcher for P [{m}, {rows}]"));
-            let matcher = &spec[at..at + spec[at..].find("transform.yield").unwrap()];
+            let matcher = matcher(m, rows);
             let tile: usize = matcher
                 .split("distribution = [")
                 .nth(1)
@@ -802,8 +806,12 @@ fn the_tuning_spec_tiles_each_prefill_attention_product_and_no_decode_one() {
         }
     }
     assert!(spec.contains(&format!("%v = tensor<{ring}x{hd}xf32>")));
-    assert!(
-        !spec.contains(&format!("%p = tensor<{heads}x")),
-        "decode products are left alone"
-    );
+    // The decode step's entry points: `heads` rows over the ring and each global span, one
+    // `heads` x 64 tile a workgroup.
+    for rows in [ring, 512, 1024, 2048, cfg.context_capacity] {
+        let matcher = matcher(heads, rows);
+        let tile =
+            format!("distribution = [{heads}, 64, 0], vector_common_parallel = [{heads}, 64, 0]");
+        assert!(matcher.contains(&tile), "{matcher}");
+    }
 }

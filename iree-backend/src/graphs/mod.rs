@@ -268,8 +268,9 @@ pub fn build(cfg: &ModelConfig, chunks: &[usize], opts: GraphOptions) -> Graphs 
 }
 
 /// The `(M, rows)` of each attention product `P [M, rows] . V [rows, head_dim]` the chunks of
-/// a multiple of 8 query rows run as a `linalg.matmul` (one KV head; `M` = chunk x query heads):
-/// over the sliding ring, and over the global layers' live spans (or their whole capacity).
+/// a multiple of 8 query rows, and the decode step, run as a `linalg.matmul` (one KV head; `M`
+/// = chunk x query heads): over the sliding ring, and over the global layers' live spans (or
+/// their whole capacity; a decode step's entry points each over their span).
 fn attention_products(
     cfg: &ModelConfig,
     chunks: &[usize],
@@ -282,14 +283,17 @@ fn attention_products(
     let mut products = Vec::new();
     for &c in chunks {
         let m = c * cfg.group_size();
-        if !m.is_multiple_of(8) {
+        if c > 1 && !m.is_multiple_of(8) {
             continue;
         }
-        let spans = if opts.branches_for(c) {
+        let mut spans = if opts.branches_for(c) {
             forward::global_spans(cfg.context_capacity, c)
         } else {
             vec![cfg.context_capacity]
         };
+        if c == 1 {
+            spans.extend(opts.step_spans(cfg.context_capacity));
+        }
         products.push((m, ring.rows));
         products.extend(spans.into_iter().map(|rows| (m, rows)));
     }

@@ -27,10 +27,14 @@ const PV_ROW_TILES: [usize; 4] = [64, 32, 16, 8];
 /// Attention's second product, `P [M, rows] . V [rows, head_dim]` (a `linalg.matmul` where
 /// there is one KV head), gets 8 x 32 register tiles with the depth loop innermost: IREE's
 /// default 8 x 16 tiles with a 16-deep reduction ran a `[256, 640] . [640, 256]` in 0.88 ms on
-/// the 2-core AVX-512 host, these in 0.49 ms (docs/BENCHMARKS.md, ninth pass). `attention`
-/// lists each `(M, rows)` the module's chunks multiply; the first product, `q . k^T`, is left
-/// to IREE (the same tiles ran it slower), and so is any shape whose `rows` equals `head_dim`,
-/// where the two products' operand types would be alike.
+/// the 2-core AVX-512 host, these in 0.49 ms (docs/BENCHMARKS.md, ninth pass). A decode step's
+/// few rows (`M` under 8: the query heads) get `M x 64` tiles, 64 columns a workgroup: each
+/// row of `V` is then read as four 256-byte runs instead of sixteen 64-byte ones, and the
+/// sliding layers' products took 0.73-0.78 ms a step instead of 1.26 (twenty-third pass).
+/// `attention` lists each `(M, rows)` the module's chunks multiply; the first product, `q .
+/// k^T`, is left to IREE (the same tiles ran it slower, and the decode step's other tiles
+/// tried gained 5% at most), and so is any shape whose `rows` equals `head_dim`, where the two
+/// products' operand types would be alike.
 pub fn llvm_cpu_tuning_spec(
     cfg: &ModelConfig,
     table: WeightLayout,
@@ -78,6 +82,13 @@ pub fn llvm_cpu_tuning_spec(
             .into_iter()
             .find(|t| m.is_multiple_of(*t))
             .unwrap_or(m);
+        // A decode step's rows: one register tile of all of them by 64 columns.
+        let (m_tile, vector) = if m < 8 {
+            (m, [m, 64])
+        } else {
+            (m_tile, [8, 32])
+        };
+        let [vm, vn] = vector;
         writeln!(
             matchers,
             r#"  transform.named_sequence @match_pv_{i}(%op: !transform.any_op {{transform.readonly}}) -> (!transform.any_op, !transform.any_param) {{
@@ -86,7 +97,7 @@ pub fn llvm_cpu_tuning_spec(
     transform.iree.match.cast_compatible_type %p = tensor<{m}x{rows}xf32> : !transform.any_value
     %v = transform.get_operand %op[1] : (!transform.any_op) -> !transform.any_value
     transform.iree.match.cast_compatible_type %v = tensor<{rows}x{hd}xf32> : !transform.any_value
-    %config = transform.param.constant #iree_codegen.compilation_info<lowering_config = #iree_cpu.lowering_config<distribution = [{m_tile}, 64, 0], vector_common_parallel = [8, 32, 0], vector_reduction = [0, 0, 1]>, translation_info = #iree_codegen.translation_info<pipeline = #iree_cpu.pipeline<DoubleTilingExpert>>> -> !transform.any_param
+    %config = transform.param.constant #iree_codegen.compilation_info<lowering_config = #iree_cpu.lowering_config<distribution = [{m_tile}, 64, 0], vector_common_parallel = [{vm}, {vn}, 0], vector_reduction = [0, 0, 1]>, translation_info = #iree_codegen.translation_info<pipeline = #iree_cpu.pipeline<DoubleTilingExpert>>> -> !transform.any_param
     transform.yield %op, %config : !transform.any_op, !transform.any_param
   }}"#
         )
@@ -157,11 +168,11 @@ mod tests {
             &cfg,
             WeightLayout::Panels,
             WeightLayout::Panels,
-            &[(256, 640), (96, 640), (64, hd)],
+            &[(256, 640), (96, 640), (64, hd), (4, 640)],
         )
         .unwrap();
-        // Five panel shapes and the two products whose operand types tell P . V from q . k^T.
-        assert_eq!(spec.matches("-> @apply_op_config").count(), 7);
+        // Five panel shapes and the three products whose operand types tell P . V from q . k^T.
+        assert_eq!(spec.matches("-> @apply_op_config").count(), 8);
         let v = format!("%v = tensor<640x{hd}xf32>");
         // Workgroups of 64 rows of P where they divide M, else the largest tile that does.
         for (m, tile) in [(256, 64), (96, 32)] {
@@ -177,5 +188,16 @@ mod tests {
             );
         }
         assert!(!spec.contains(&format!("tensor<64x{hd}xf32>")));
+        // A decode step's 4 rows: one 4 x 64 register tile a workgroup.
+        let at = spec
+            .find("%p = tensor<4x640xf32>")
+            .expect("the decode product");
+        let matcher = &spec[at..at + spec[at..].find("transform.yield").unwrap()];
+        assert!(
+            matcher.contains(
+                "distribution = [4, 64, 0], vector_common_parallel = [4, 64, 0], vector_reduction = [0, 0, 1]"
+            ),
+            "{matcher}"
+        );
     }
 }
