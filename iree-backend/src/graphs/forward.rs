@@ -188,14 +188,17 @@ impl<'a> Forward<'a> {
     ) -> [Value; N] {
         let c = x.dims()[0];
         let offsets = self.opts.layout.stack_offsets(&outs);
+        let rows = match self.opts.layout {
+            WeightLayout::Rows => w.dims()[0],
+            WeightLayout::Panels => w.dims()[0] * w.dims()[2],
+        };
+        assert_eq!(
+            rows, offsets[N],
+            "linear: weight {} for outputs {outs:?}",
+            w.ty
+        );
         if self.opts.layout == WeightLayout::Panels && c > 1 {
             let (cols, lanes) = (w.dims()[1], w.dims()[2]);
-            assert_eq!(
-                w.dims()[0] * lanes,
-                offsets[N],
-                "linear: weight {} for outputs {outs:?}",
-                w.ty
-            );
             return std::array::from_fn(|i| {
                 let panels = (offsets[i] / lanes, offsets[i + 1] / lanes);
                 let part = if panels == (0, w.dims()[0]) {
@@ -223,15 +226,9 @@ impl<'a> Forward<'a> {
                 self.b.reshape(&y, &[1, n])
             }
         };
-        assert_eq!(
-            y.dims()[1],
-            offsets[N],
-            "linear: weight {} for outputs {outs:?}",
-            w.ty
-        );
         std::array::from_fn(|i| {
             let (start, end) = (offsets[i], offsets[i] + outs[i]);
-            if (start, end) == (0, y.dims()[1]) {
+            if (start, end) == (0, rows) {
                 y.clone()
             } else {
                 self.b.slice(&y, &[0, start], &[c, end])

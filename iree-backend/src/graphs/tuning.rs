@@ -75,20 +75,19 @@ pub fn llvm_cpu_tuning_spec(
         if rows == hd {
             continue;
         }
-        // Workgroups of whole tiles: a 64-row tile over a 96-row `P` left a 32-row remainder
-        // that IREE ran as scalar code (24-row chunks: 8.7 ms of sliding-layer products where
-        // the 32-row chunk's took 3.3).
-        let m_tile = PV_ROW_TILES
-            .into_iter()
-            .find(|t| m.is_multiple_of(*t))
-            .unwrap_or(m);
-        // A decode step's rows: one register tile of all of them by 64 columns.
-        let (m_tile, vector) = if m < 8 {
+        // A decode step's rows (under 8): one register tile of all of them by 64 columns.
+        let (m_tile, [vm, vn]) = if m < 8 {
             (m, [m, 64])
         } else {
+            // Workgroups of whole tiles: a 64-row tile over a 96-row `P` left a 32-row
+            // remainder that IREE ran as scalar code (24-row chunks: 8.7 ms of sliding-layer
+            // products where the 32-row chunk's took 3.3).
+            let m_tile = PV_ROW_TILES
+                .into_iter()
+                .find(|t| m.is_multiple_of(*t))
+                .unwrap_or(m);
             (m_tile, [8, 32])
         };
-        let [vm, vn] = vector;
         writeln!(
             matchers,
             r#"  transform.named_sequence @match_pv_{i}(%op: !transform.any_op {{transform.readonly}}) -> (!transform.any_op, !transform.any_param) {{
