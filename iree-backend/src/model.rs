@@ -122,6 +122,8 @@ pub struct IreeModel {
     screen: bool,
     /// Calls whose screen could not settle the token and ran the full head again.
     screen_fallbacks: AtomicU64,
+    /// Calls of each entry point, in manifest order (see [`IreeModel::entry_calls`]).
+    entry_calls: Vec<AtomicU64>,
     /// Buffer sets of released states, for the next ones (see [`crate::kv`]).
     kv_pool: Arc<KvPool>,
 }
@@ -361,7 +363,6 @@ impl IreeModel {
         Ok(IreeModel {
             cfg,
             target: opts.target,
-            manifest: g.manifest,
             device,
             session,
             weights,
@@ -372,6 +373,13 @@ impl IreeModel {
             fault_after_chunk: AtomicU64::new(0),
             screen,
             screen_fallbacks: AtomicU64::new(0),
+            entry_calls: g
+                .manifest
+                .entry_points
+                .iter()
+                .map(|_| AtomicU64::new(0))
+                .collect(),
+            manifest: g.manifest,
             kv_pool,
         })
     }
@@ -455,6 +463,17 @@ impl IreeModel {
         self.screen_fallbacks.load(Ordering::Relaxed)
     }
 
+    /// How many times each entry point has run so far (a screened head's rerun counts again),
+    /// by name, in manifest order: which chunk sizes and spans the calls went through.
+    pub fn entry_calls(&self) -> Vec<(&str, u64)> {
+        self.manifest
+            .entry_points
+            .iter()
+            .zip(&self.entry_calls)
+            .map(|(e, n)| (e.name.as_str(), n.load(Ordering::Relaxed)))
+            .collect()
+    }
+
     /// The device the model runs on.
     pub fn device(&self) -> &Device {
         &self.device
@@ -533,13 +552,14 @@ impl IreeModel {
                     BufferView::from_f32(&self.device, &[c, h], &part)?
                 }
             };
-            // A decode step may have entry points that attend over fewer global rows.
+            // The entry point of the shortest span that holds the call.
             let end = kv.len + c;
-            let entry = self.manifest.entry_for(role, c, end).ok_or_else(|| {
+            let entry = self.manifest.entry_index_for(role, c, end).ok_or_else(|| {
                 let status = format!("no {role:?} entry point for {c} rows ending at {end}");
                 self.backend_error("choose entry point", &status)
             })?;
-            let name = entry.name.as_str();
+            let name = self.manifest.entry_points[entry].name.as_str();
+            let calls = &self.entry_calls[entry];
             let pos0 = BufferView::from_i32(&self.device, &[], &[kv.len as i32])?;
             // The call writes `c` rows at the state's end, padding included.
             kv.will_write(c);
@@ -552,11 +572,13 @@ impl IreeModel {
                 (true, _) => HEAD_FULL,
             };
             let mut outs = self.call(&session, name, [&first, &pos0, &nvalid], head, kv)?;
+            calls.fetch_add(1, Ordering::Relaxed);
             if head == HEAD_SCREEN && outs[0].to_i32_vec()?[0] < 0 {
                 // Unsettled: the same chunk again (it writes the same K/V rows at the same
                 // positions, and reads what the first call read) with the full head.
                 self.screen_fallbacks.fetch_add(1, Ordering::Relaxed);
                 outs = self.call(&session, name, [&first, &pos0, &nvalid], HEAD_FULL, kv)?;
+                calls.fetch_add(1, Ordering::Relaxed);
             }
             if outs.len() != 2 + kv.bufs.len() {
                 return Err(self.backend_error(

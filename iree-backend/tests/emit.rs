@@ -8,10 +8,10 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-use kvsnap_contract::ModelConfig;
+use kvsnap_contract::{LayerKind, ModelConfig};
 use kvsnap_iree::emit::{Cmp, DotDims, ElemType, FuncBuilder, Module, Reduction, TensorType};
 use kvsnap_iree::graphs::{
-    self, entry_name, step_entry_name, DType, GraphOptions, Input, Role, WeightLayout,
+    self, entry_name, span_entry_name, DType, GraphOptions, Input, Role, WeightLayout,
     DEFAULT_CHUNKS, PROJECTION_LANES, SCREEN_BLOCKS, SCREEN_WEIGHTS, TABLE_LANES,
 };
 use kvsnap_reference::tiny::{config, Preset};
@@ -531,46 +531,90 @@ fn graphs_build_for_tiny_and_real_configs_with_the_head_sliced() {
         }
         // The head was built: [vocab] logits are returned.
         assert!(g.mlir.contains(&format!("tensor<{vocab}xf32>")));
-        // With branches, decode steps that attend over the first rows of the global layers
-        // only, picked on the host by where the step ends; the whole capacity's step past them.
+        // With branches, decode steps and largest chunks that attend over the first rows of
+        // the KV buffers only, picked on the host by where the call ends.
         let capacity = cfg.context_capacity;
-        let spans = opts.step_spans(capacity);
-        assert_eq!(spans.is_empty(), !opts.branches);
+        let ring = g.manifest.ring;
+        let largest = *DEFAULT_CHUNKS.last().unwrap();
+        let steps = opts.spans(1, capacity, ring);
+        let long = opts.spans(largest, capacity, ring);
+        assert_eq!(steps.is_empty(), !opts.branches);
+        // Twice and four times the largest chunk within the ring's modulus (the real model's
+        // 640 rows; the tiny model's window of 6 leaves it 70, less than 2 x 64).
+        let expected: &[usize] = match (opts.branches, cfg.sliding_window) {
+            (true, 512) => &[256, 512],
+            _ => &[],
+        };
+        assert_eq!(long, expected);
         // The model's input in every chunk size, the other in the decode step's and the
         // largest only.
         let (primary, other) = match opts.input {
             Input::Ids => (Role::Ids, Role::Embeddings),
             Input::Embeddings => (Role::Embeddings, Role::Ids),
         };
-        let largest = *DEFAULT_CHUNKS.last().unwrap();
         assert_eq!(g.manifest.chunks_for(primary), DEFAULT_CHUNKS);
         assert_eq!(g.manifest.chunks_for(other), [1, largest]);
         assert_eq!(
             g.manifest.entry_points.len(),
-            DEFAULT_CHUNKS.len() + 2 + spans.len()
+            DEFAULT_CHUNKS.len() + 2 + steps.len() + long.len()
         );
-        let (kvh, hd) = (cfg.num_key_value_heads, cfg.head_dim);
-        for &span in &spans {
-            let name = step_entry_name(span);
-            let e = g.manifest.entry(&name).expect("span step in manifest");
-            assert_eq!((e.chunk, e.input, e.global_rows), (1, Role::Ids, span));
+        let (kvh, group) = (cfg.num_key_value_heads, cfg.group_size());
+        let spanned = steps
+            .iter()
+            .map(|&s| (1, s))
+            .chain(long.iter().map(|&s| (largest, s)));
+        for (c, span) in spanned {
+            let name = span_entry_name(c, span);
+            let e = g.manifest.entry(&name).expect("span entry in manifest");
+            assert_eq!((e.chunk, e.input, e.span), (c, Role::Ids, span));
             let body = function_of(&g.mlir, &name);
-            let rows = format!("tensor<{span}x{kvh}x{hd}xf32>");
-            assert!(body.contains(&rows), "{name} attends over {span} rows");
+            // The global layers attend over `span` rows, the sliding layers over as many of the
+            // ring's as lie within its modulus (scores `[kvh, C, g, rows]`).
+            let scores = |rows: usize| format!("tensor<{kvh}x{c}x{group}x{rows}xf32>");
+            assert!(body.contains(&scores(span)), "{name}: global scores");
+            let sliding = ring.rows_within(span);
             assert_eq!(
-                body.matches("stablehlo.if").count(),
-                usize::from(opts.screen)
+                sliding,
+                if span <= ring.modulus {
+                    span
+                } else {
+                    ring.rows
+                }
             );
-            let chosen = g.manifest.entry_for(Role::Ids, 1, span).unwrap();
+            assert!(body.contains(&scores(sliding)), "{name}: sliding scores");
+            if sliding < ring.rows {
+                assert!(!body.contains(&scores(ring.rows)), "{name}: the whole ring");
+            }
+            // No branch picks a global span; a decode step keeps the screen's only.
+            let ifs = body.matches("stablehlo.if").count();
+            let base = function_of(&g.mlir, &entry_name(Input::Ids, c));
+            let base_ifs = base.matches("stablehlo.if").count();
+            if c == 1 {
+                assert_eq!(ifs, usize::from(opts.screen), "{name}");
+            } else {
+                let globals = cfg
+                    .layer_kinds
+                    .iter()
+                    .filter(|&&k| k == LayerKind::Global)
+                    .count();
+                assert!(
+                    ifs < base_ifs,
+                    "{name}: {ifs} branches, {base_ifs} without a span"
+                );
+                assert_eq!((base_ifs - ifs) % globals, 0, "{name}");
+            }
+            let chosen = g.manifest.entry_for(Role::Ids, c, span).unwrap();
             assert_eq!(chosen.name, name);
         }
         let whole = g.manifest.entry_for(Role::Ids, 1, capacity).unwrap();
         assert_eq!(whole.name, entry_name(Input::Ids, 1));
         let first = g.manifest.entry_for(Role::Ids, 1, 1).unwrap();
-        assert_eq!(
-            first.global_rows,
-            spans.first().copied().unwrap_or(capacity)
-        );
+        assert_eq!(first.span, steps.first().copied().unwrap_or(capacity));
+        let first = g.manifest.entry_for(Role::Ids, largest, largest).unwrap();
+        assert_eq!(first.span, long.first().copied().unwrap_or(capacity));
+        let past = (ring.modulus + 1).min(capacity);
+        let past = g.manifest.entry_for(Role::Ids, largest, past).unwrap();
+        assert_eq!(past.name, entry_name(Input::Ids, largest));
         assert_eq!(g.manifest.entry_for(Role::Ids, 1, capacity + 1), None);
         for &c in &DEFAULT_CHUNKS {
             for input in Input::ALL {
@@ -752,7 +796,15 @@ fn prefill_products_deeper_than_640_are_split_into_blocks() {
     let cfg = real_config();
     let g = graphs::build(&cfg, &[1, 64], GraphOptions::llvm_cpu());
     let count = g.mlir.matches("\"linalg.mmt4d\"").count();
-    assert_eq!(count, 2 * cfg.num_layers() * (5 + 2 + 4));
+    // The 64-row chunk's two inputs and its three spans (128, 256, 512).
+    let chunks = g
+        .manifest
+        .entry_points
+        .iter()
+        .filter(|e| e.chunk == 64)
+        .count();
+    assert_eq!(chunks, 2 + 3);
+    assert_eq!(count, chunks * cfg.num_layers() * (5 + 2 + 4));
     // Each part's `mmt4d` reads its panels of the stack: q's 32, k's and v's 8 each.
     for panels in [32, 8] {
         assert!(

@@ -212,8 +212,9 @@ fn prefill_extend_step_match_the_reference(p: &Pair) {
 }
 
 /// Decode steps from a short prefix to the capacity: on llvm-cpu each runs the step entry point
-/// whose global layers attend over the fewest rows that hold it (`GraphOptions::step_spans`),
-/// so the steps cross every span's end; each matches the reference.
+/// of the shortest span that holds it (`GraphOptions::spans`: the global layers over its first
+/// rows, and the sliding layers too while the span is within the ring's modulus), so the steps
+/// cross every span's end; each matches the reference.
 fn steps_through_every_global_span_match_the_reference(p: &Pair) {
     let manifest = p.iree.manifest();
     let capacity = manifest.capacity;
@@ -221,7 +222,7 @@ fn steps_through_every_global_span_match_the_reference(p: &Pair) {
         .entry_points
         .iter()
         .filter(|e| e.chunk == 1 && e.input == Role::Ids)
-        .map(|e| e.global_rows)
+        .map(|e| e.span)
         .collect();
     steps.sort_unstable();
     let mut want = match p.iree.backend() {
@@ -236,6 +237,14 @@ fn steps_through_every_global_span_match_the_reference(p: &Pair) {
         s.step(&format!("step {} to row {}", i, 11 + i), t);
     }
     assert_eq!(p.iree.len(&s.a), capacity);
+    if p.iree.backend() == "iree-cpu" {
+        let calls: Vec<(&str, u64)> = p.iree.entry_calls();
+        for span in [16, 32, 64] {
+            let name = format!("chunk_ids_c1_s{span}");
+            let n = calls.iter().find(|(e, _)| *e == name).map_or(0, |c| c.1);
+            assert!(n > 0, "{name} never ran: {calls:?}");
+        }
+    }
 }
 
 fn long_prefill_up_to_capacity_and_overflow_leaves_state_unchanged(p: &Pair) {
@@ -701,6 +710,51 @@ fn stacked_projections_with_partial_panels_match_the_reference() {
         }
         assert_eq!(iree.len(&s.a), 30, "{w}");
     }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// The largest chunk's span entry points (`GraphOptions::spans`): with a window of 64 and
+/// chunks of 8 and 16, the ring's modulus is 80 and the 16-row chunk gets spans of 32 and 64,
+/// over whose first rows both kinds of layer attend. A prefill and extends run through each
+/// span, then past the modulus (where the ring wraps and the whole-ring entry takes over),
+/// each call matching the reference.
+#[test]
+fn prefill_chunks_attend_over_the_rows_written_so_far() {
+    if let Err(e) = Compiler::discover() {
+        eprintln!("SKIPPED: iree-compile not found ({e})");
+        return;
+    }
+    let config = |json: &mut serde_json::Value| json["sliding_window"] = 64.into();
+    let (dir, _) = tiny_variant("spans", config, 6, |_, _| {});
+    let reference = ReferenceModel::load(&dir).unwrap();
+    let opts = IreeOptions {
+        chunks: vec![8, 16],
+        ..IreeOptions::cpu()
+    };
+    let iree = IreeModel::load(&dir, &opts).unwrap();
+    assert_eq!(iree.manifest().ring.modulus, 80);
+    let calls = |name: &str| {
+        let calls = iree.entry_calls();
+        calls.iter().find(|(e, _)| *e == name).map(|c| c.1)
+    };
+    let seq = ids(120, 4);
+    // 40 rows as 16 (s32) + 16 (s32) + 8; 30 as 16 (s64) + 16 (padded from 14, past 64).
+    let (mut s, _) = Lockstep::prefill(&iree, &reference, "prefill 40", &seq[..40]);
+    assert_eq!(calls("chunk_ids_c16_s32"), Some(2));
+    assert_eq!(calls("chunk_ids_c8"), Some(1));
+    let mut t = s.extend("extend 30", &seq[40..70]).token;
+    assert_eq!(calls("chunk_ids_c16_s64"), Some(1));
+    assert_eq!(calls("chunk_ids_c16"), Some(1));
+    // Past the modulus the ring wraps: the whole ring's entry points.
+    s.extend("extend 40", &seq[70..110]);
+    for i in 0..6 {
+        t = s.step(&format!("step {i}"), t).token;
+    }
+    assert_eq!(calls("chunk_ids_c16_s32"), Some(2));
+    assert_eq!(calls("chunk_ids_c16_s64"), Some(1));
+    assert!(calls("chunk_ids_c16") > Some(1));
+    assert_eq!(iree.len(&s.a), 116);
+    assert_eq!(iree.kv_copies(), 0, "KV results in new buffers");
     std::fs::remove_dir_all(&dir).ok();
 }
 

@@ -123,8 +123,10 @@ pub(super) struct Chunk {
     rope_global: RopeTables,
     /// Row at which the chunk is written into the sliding layers' buffers: `pos0 % modulus`.
     ring_start: Value,
-    /// Visibility of the sliding layers' rows (after the chunk's write) to each query:
-    /// `[C, ring rows]` i1.
+    /// The first rows of the sliding layers' ring the chunk attends over: all of them, or
+    /// those of the entry point's span ([`RingGeometry::rows_within`]).
+    sliding_rows: usize,
+    /// Visibility of those rows (after the chunk's write) to each query: `[C, sliding_rows]` i1.
     sliding_mask: Value,
     /// Position of each query row: `[C]` i32.
     qpos: Value,
@@ -140,9 +142,12 @@ pub(super) struct Forward<'a> {
     pub cfg: &'a ModelConfig,
     /// The matrices' layout and whether to branch.
     pub opts: GraphOptions,
-    /// Rows of the global layers' buffers a chunk without branches attends over: the capacity,
-    /// or a decode step's span ([`GraphOptions::step_spans`]).
-    pub global_rows: usize,
+    /// The entry point's span ([`GraphOptions::spans`]): attention runs over the first `span`
+    /// rows of the global layers' buffers, without branches, and of the sliding layers' ring
+    /// as [`RingGeometry::rows_within`] allows. `None`: the global layers attend over their
+    /// live span chosen by branches, or over the whole capacity without them; the sliding
+    /// layers over the whole ring.
+    pub span: Option<usize>,
 }
 
 impl<'a> Forward<'a> {
@@ -379,8 +384,14 @@ impl<'a> Forward<'a> {
         let positions = self
             .b
             .dynamic_update_slice(positions, &stored, &[&ring_start]);
-        let one = self.i32(1, &[ring.rows]);
-        let ring_pos = self.b.sub(&positions, &one);
+        let sliding_rows = self.span.map_or(ring.rows, |s| ring.rows_within(s));
+        let seen = if sliding_rows < ring.rows {
+            self.b.slice(&positions, &[0], &[sliding_rows])
+        } else {
+            positions.clone()
+        };
+        let one = self.i32(1, &[sliding_rows]);
+        let ring_pos = self.b.sub(&seen, &one);
         let sliding_mask = self.visibility(&qpos, &ring_pos, &end, Some(cfg.sliding_window));
 
         let rope_local = self.rope_tables(&qpos, cfg.rope_theta_local, 1.0);
@@ -393,6 +404,7 @@ impl<'a> Forward<'a> {
             rope_local,
             rope_global,
             ring_start,
+            sliding_rows,
             sliding_mask,
             qpos,
             end,
@@ -598,15 +610,16 @@ impl<'a> Forward<'a> {
         let (k_buf, v_buf, o) = match kind {
             LayerKind::Sliding => {
                 let (k_buf, v_buf) = self.write_rows(&k, &v, k_buf, v_buf, &ch.ring_start);
-                let o = self.attend(&q, &k_buf, &v_buf, &ch.sliding_mask);
+                let (keys, values) = self.first_rows(&k_buf, &v_buf, ch.sliding_rows);
+                let o = self.attend(&q, &keys, &values, &ch.sliding_mask);
                 (k_buf, v_buf, o)
             }
             LayerKind::Global => {
                 let (k_buf, v_buf) = self.write_rows(&k, &v, k_buf, v_buf, &ch.pos0);
-                let spans = if self.opts.branches_for(c) {
-                    global_spans(cfg.context_capacity, c)
-                } else {
-                    vec![self.global_rows]
+                let spans = match self.span {
+                    Some(span) => vec![span],
+                    None if self.opts.branches_for(c) => global_spans(cfg.context_capacity, c),
+                    None => vec![cfg.context_capacity],
                 };
                 let o = self.attend_live(&q, &k_buf, &v_buf, ch, &spans);
                 (k_buf, v_buf, o)
@@ -707,6 +720,18 @@ impl<'a> Forward<'a> {
             .dot_general(&p, values, &DotDims::batched(0, 1, 3, 0))
     }
 
+    /// The first `rows` rows of a layer's K and V buffers (`[rows, kvh, hd]`; the buffers
+    /// themselves when they have no more).
+    fn first_rows(&mut self, k_buf: &Value, v_buf: &Value, rows: usize) -> (Value, Value) {
+        let dims = k_buf.dims().to_vec();
+        if rows == dims[0] {
+            return (k_buf.clone(), v_buf.clone());
+        }
+        let keys = self.b.slice(k_buf, &[0, 0, 0], &[rows, dims[1], dims[2]]);
+        let values = self.b.slice(v_buf, &[0, 0, 0], &[rows, dims[1], dims[2]]);
+        (keys, values)
+    }
+
     /// Attention over the first rows of a global layer's buffers only: the first of `spans`
     /// (ascending, the last the capacity) that holds every row the chunk can see
     /// (`pos0 + C <= span`), chosen at run time by nested `stablehlo.if`s whose untaken
@@ -725,9 +750,7 @@ impl<'a> Forward<'a> {
     ) -> Value {
         let span = spans[0];
         let attend_span = |f: &mut Self| {
-            let dims = k_buf.dims();
-            let keys = f.b.slice(k_buf, &[0, 0, 0], &[span, dims[1], dims[2]]);
-            let values = f.b.slice(v_buf, &[0, 0, 0], &[span, dims[1], dims[2]]);
+            let (keys, values) = f.first_rows(k_buf, v_buf, span);
             // The mask is built for the span (IREE's SPIR-V code cannot slice an i1 tensor).
             let rows = f.b.iota(&[span], 0);
             let mask = f.visibility(&ch.qpos, &rows, &ch.end, None);

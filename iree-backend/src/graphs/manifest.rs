@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 /// Format name written into every manifest.
 pub const MANIFEST_FORMAT: &str = "kvsnap-iree-graphs";
 /// Version of the manifest layout and of the entry-point conventions it describes.
-pub const MANIFEST_VERSION: u32 = 7;
+pub const MANIFEST_VERSION: u32 = 8;
 
 /// Element type of an argument or result.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -217,6 +217,24 @@ impl RingGeometry {
             rows: modulus + max_chunk,
         }
     }
+
+    /// The largest chunk the ring was sized for.
+    pub fn max_chunk(&self) -> usize {
+        self.rows - self.modulus
+    }
+
+    /// The rows of the ring a chunk attends over in an entry point of `span`
+    /// ([`EntryPoint::span`]): the first `span` where they fit within the modulus, else all.
+    ///
+    /// A chunk ending at or before `span <= modulus` runs on a state shorter than the
+    /// modulus, so no chunk has wrapped yet: every position `p` it can see is in row `p`.
+    pub fn rows_within(&self, span: usize) -> usize {
+        if span <= self.modulus {
+            span
+        } else {
+            self.rows
+        }
+    }
 }
 
 /// How one layer's KV buffer is laid out.
@@ -234,15 +252,17 @@ pub enum KvLayout {
 /// One entry point: `chunk_ids_c{C}` or `chunk_emb_c{C}`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct EntryPoint {
-    /// Exported function name, `chunk_{ids,emb}_c{C}`.
+    /// Exported function name, `chunk_{ids,emb}_c{C}`, or `chunk_ids_c{C}_s{span}`.
     pub name: String,
     /// Rows per call (`C`); `C = 1` is the decode step.
     pub chunk: usize,
     /// `Ids` or `Embeddings`: the role of the first argument.
     pub input: Role,
-    /// The global layers' rows it may attend over: a call's chunk must end at or before this
-    /// row. The capacity, or a decode step's span (`GraphOptions::step_spans`).
-    pub global_rows: usize,
+    /// The rows of the KV buffers it may attend over: a call's chunk must end at or before
+    /// this row. The capacity, or a span of [`GraphOptions::spans`](super::GraphOptions::spans)
+    /// over whose first rows the global layers attend, and the sliding layers too where the
+    /// ring allows ([`RingGeometry::rows_within`]).
+    pub span: usize,
     /// Arguments in call order: chunk input, `pos0`, `valid`, `head`, weights, the screened
     /// head's tensors (if any), KV buffers.
     pub args: Vec<TensorSpec>,
@@ -296,12 +316,20 @@ impl Manifest {
     }
 
     /// The entry point for a chunk of `chunk` rows of `input` (`Ids` or `Embeddings`) ending
-    /// at row `end`: of those that may attend that far, the one with the fewest global rows.
+    /// at row `end`: of those that may attend that far, the one with the shortest span.
     pub fn entry_for(&self, input: Role, chunk: usize, end: usize) -> Option<&EntryPoint> {
+        self.entry_index_for(input, chunk, end)
+            .map(|i| &self.entry_points[i])
+    }
+
+    /// The index in [`Manifest::entry_points`] of [`Manifest::entry_for`]'s entry point.
+    pub fn entry_index_for(&self, input: Role, chunk: usize, end: usize) -> Option<usize> {
         self.entry_points
             .iter()
-            .filter(|e| e.input == input && e.chunk == chunk && e.global_rows >= end)
-            .min_by_key(|e| e.global_rows)
+            .enumerate()
+            .filter(|(_, e)| e.input == input && e.chunk == chunk && e.span >= end)
+            .min_by_key(|(_, e)| e.span)
+            .map(|(i, _)| i)
     }
 }
 

@@ -89,10 +89,10 @@ pub fn entry_name(input: Input, chunk: usize) -> String {
     format!("chunk_{}_c{chunk}", input.tag())
 }
 
-/// The name of the decode step's entry point whose global layers attend over their first
-/// `span` rows only ([`GraphOptions::step_spans`]): `chunk_ids_c1_s{span}`.
-pub fn step_entry_name(span: usize) -> String {
-    format!("{}_s{span}", entry_name(Input::Ids, 1))
+/// The name of the token-id entry point for chunks of `chunk` rows that attends over the
+/// first `span` rows of the KV buffers only ([`GraphOptions::spans`]): `chunk_ids_c1_s512`.
+pub fn span_entry_name(chunk: usize, span: usize) -> String {
+    format!("{}_s{span}", entry_name(Input::Ids, chunk))
 }
 
 /// The target-dependent choices of a module.
@@ -173,18 +173,34 @@ impl GraphOptions {
         self.branches && c > 1
     }
 
-    /// The spans below `capacity` of the decode step's extra entry points: with
-    /// [`GraphOptions::branches`], one step per span (an eighth, a quarter and half of the
-    /// capacity, as a chunk's branches choose from) whose global layers attend over their first
-    /// `span` rows only, chosen on the host by the state's length ([`Manifest::entry_for`]), so
-    /// no predicate is read back. At the catalog's length a step attends over 1024 of Gemma 3
-    /// 270M's 4096 rows; its three global layers' attention took about 2.3 ms of a 27 ms step
-    /// over the whole capacity (docs/BENCHMARKS.md, nineteenth pass). Without branches: none.
-    pub fn step_spans(self, capacity: usize) -> Vec<usize> {
+    /// The spans below `capacity` of the extra token-id entry points for chunks of `c` rows
+    /// ([`span_entry_name`]), with [`GraphOptions::branches`] (else none). Each attends over the
+    /// first `span` rows of the global layers' buffers, and of the sliding layers' ring where
+    /// `span` is within its modulus ([`RingGeometry::rows_within`]); the host picks the
+    /// shortest that holds the call ([`Manifest::entry_for`]), so no predicate is read back.
+    ///
+    /// - The decode step: an eighth, a quarter and half of the capacity, as a chunk's branches
+    ///   choose from. At the catalog's length a step attends over 1024 of Gemma 3 270M's 4096
+    ///   global rows; its three global layers' attention took about 2.3 ms of a 27 ms step over
+    ///   the whole capacity (docs/BENCHMARKS.md, nineteenth pass).
+    /// - The largest chunk (a long prefill's): twice and four times its rows, and so on up to
+    ///   the ring's modulus. A prefill's first chunks then attend over the rows written so far
+    ///   instead of the whole ring: the 128-row chunk's sliding attention took 37 ms over the
+    ///   768 rows of Gemma 3 270M's ring (twenty-fourth pass), and the prefix's first four
+    ///   chunks run over 256, 256, 512 and 512 rows.
+    pub fn spans(self, c: usize, capacity: usize, ring: RingGeometry) -> Vec<usize> {
         if !self.branches {
             return Vec::new();
         }
-        let mut spans = forward::global_spans(capacity, 1);
+        let mut spans = if c == 1 {
+            forward::global_spans(capacity, 1)
+        } else if c == ring.max_chunk() {
+            std::iter::successors(Some(2 * c), |s| Some(2 * s))
+                .take_while(|&s| s <= ring.modulus)
+                .collect()
+        } else {
+            Vec::new()
+        };
         spans.retain(|&s| s < capacity);
         spans
     }
@@ -241,12 +257,10 @@ pub fn build(cfg: &ModelConfig, chunks: &[usize], opts: GraphOptions) -> Graphs 
             module.push(text);
             entry_points.push(entry);
         }
-        if c == 1 {
-            for span in opts.step_spans(cfg.context_capacity) {
-                let (text, entry) = entry_point(cfg, Input::Ids, c, ring, opts, Some(span));
-                module.push(text);
-                entry_points.push(entry);
-            }
+        for span in opts.spans(c, cfg.context_capacity, ring) {
+            let (text, entry) = entry_point(cfg, Input::Ids, c, ring, opts, Some(span));
+            module.push(text);
+            entry_points.push(entry);
         }
     }
     let attention = attention_products(cfg, &chunks, ring, opts);
@@ -270,7 +284,7 @@ pub fn build(cfg: &ModelConfig, chunks: &[usize], opts: GraphOptions) -> Graphs 
 /// The `(M, rows)` of each attention product `P [M, rows] . V [rows, head_dim]` the chunks of
 /// a multiple of 8 query rows, and the decode step, run as a `linalg.matmul` (one KV head; `M`
 /// = chunk x query heads): over the sliding ring, and over the global layers' live spans (or
-/// their whole capacity; a decode step's entry points each over their span).
+/// their whole capacity); span entry points over their span of each.
 fn attention_products(
     cfg: &ModelConfig,
     chunks: &[usize],
@@ -286,16 +300,16 @@ fn attention_products(
         if c > 1 && !m.is_multiple_of(8) {
             continue;
         }
-        let mut spans = if opts.branches_for(c) {
+        let mut rows = if opts.branches_for(c) {
             forward::global_spans(cfg.context_capacity, c)
         } else {
             vec![cfg.context_capacity]
         };
-        if c == 1 {
-            spans.extend(opts.step_spans(cfg.context_capacity));
+        rows.push(ring.rows);
+        for span in opts.spans(c, cfg.context_capacity, ring) {
+            rows.extend([span, ring.rows_within(span)]);
         }
-        products.push((m, ring.rows));
-        products.extend(spans.into_iter().map(|rows| (m, rows)));
+        products.extend(rows.into_iter().map(|rows| (m, rows)));
     }
     products.sort_unstable();
     products.dedup();
@@ -312,7 +326,7 @@ pub fn argmax_module(cfg: &ModelConfig) -> String {
         b,
         cfg,
         opts: GraphOptions::vulkan(),
-        global_rows: cfg.context_capacity,
+        span: None,
     };
     let next = f.argmax(&logits);
     let mut module = Module::new("argmax");
@@ -336,7 +350,7 @@ pub fn screen_module(cfg: &ModelConfig) -> String {
         b,
         cfg,
         opts: GraphOptions::llvm_cpu(),
-        global_rows: cfg.context_capacity,
+        span: None,
     };
     let screen = Screen { q8, scale, slack };
     let next = f.screen(&screen, &table, &h);
@@ -363,8 +377,10 @@ fn spec(name: &str, role: Role, dims: &[usize], dtype: DType) -> TensorSpec {
     }
 }
 
-/// The function text and manifest entry of one entry point: global layers attend over their
-/// first `span` rows (a decode step's [`GraphOptions::step_spans`]), else as the options say.
+/// The function text and manifest entry of one entry point: with a `span`
+/// ([`GraphOptions::spans`]) attention runs over the first `span` rows of the global layers'
+/// buffers and as many of the ring's as [`RingGeometry::rows_within`] allows, else as the
+/// options say.
 fn entry_point(
     cfg: &ModelConfig,
     input: Input,
@@ -396,10 +412,9 @@ fn entry_point(
     results.extend(kv);
 
     let name = match span {
-        Some(span) => step_entry_name(span),
+        Some(span) => span_entry_name(c, span),
         None => entry_name(input, c),
     };
-    let global_rows = span.unwrap_or(cfg.context_capacity);
     let mut b = FuncBuilder::new(&name);
     let values: Vec<Value> = args.iter().map(|a| b.arg(arg_type(a))).collect();
     let mut it = values.into_iter();
@@ -421,12 +436,7 @@ fn entry_point(
     let positions = kv_in.pop().expect("sliding.positions");
     assert_eq!(kv_in.len(), 2 * cfg.num_layers(), "one K and V per layer");
 
-    let mut f = Forward {
-        b,
-        cfg,
-        opts,
-        global_rows,
-    };
+    let mut f = Forward { b, cfg, opts, span };
     let (ch, positions) = f.chunk(c, pos0, valid, &positions, ring);
     let rows = match input {
         Input::Ids => f.gather(&embed, &chunk_input),
@@ -450,7 +460,7 @@ fn entry_point(
             name,
             chunk: c,
             input: args[0].role,
-            global_rows,
+            span: span.unwrap_or(cfg.context_capacity),
             args,
             results,
         },
