@@ -112,6 +112,54 @@ impl IreeKv {
             since.ring_rows[start..end].fill(true);
         }
     }
+
+    /// After a chunk call of `rows` rows (padding included) that wrote the rings from row
+    /// `start` past their modulus: moves each ring's rows past the modulus to the rows their
+    /// positions map to, `p % modulus`, and empties them in the positions table, so that every
+    /// held position is in row `p % modulus` again (what the decode step, which attends over
+    /// the modulus only, relies on: [`crate::graphs::RingGeometry`]). The rows overwritten held
+    /// positions no later query sees (the same argument as for the chunk's own write). Nothing
+    /// to do for a call that stayed within the modulus.
+    pub(crate) fn fold_ring(&mut self, device: &Device, start: usize, rows: usize) -> Result<()> {
+        let pool = Arc::clone(&self.pool);
+        let modulus = pool.ring.modulus;
+        let end = (start + rows).min(pool.ring.rows);
+        if end <= modulus {
+            return Ok(());
+        }
+        let past = end - modulus;
+        let mut moves = Vec::new();
+        let mut empties = Vec::new();
+        for (buf, kind) in self.bufs.iter().zip(&pool.kinds) {
+            let row_bytes = match *kind {
+                BufKind::Ring { row_bytes } => row_bytes,
+                BufKind::Whole => buf.byte_length() / pool.ring.rows,
+                BufKind::Rows { .. } => continue,
+            };
+            moves.push(Transfer::Within {
+                buf,
+                from: modulus * row_bytes,
+                to: 0,
+                len: past * row_bytes,
+            });
+            if *kind == BufKind::Whole {
+                empties.push(Transfer::Zero {
+                    dst: buf,
+                    offset: modulus * row_bytes,
+                    len: past * row_bytes,
+                });
+            }
+        }
+        // Two batches: a batch's operations may run at once, and the table's move reads what
+        // its emptying writes.
+        BufferView::transfer(device, &moves)?;
+        BufferView::transfer(device, &empties)?;
+        self.stamp = pool.next_stamp();
+        if let Some(since) = &mut self.since {
+            since.ring_rows[..past].fill(true);
+        }
+        Ok(())
+    }
 }
 
 /// What a state started as a copy has changed since (module docs).

@@ -569,16 +569,22 @@ fn graphs_build_for_tiny_and_real_configs_with_the_head_sliced() {
             assert_eq!((e.chunk, e.input, e.span), (c, Role::Ids, span));
             let body = function_of(&g.mlir, &name);
             // The global layers attend over `span` rows, the sliding layers over as many of the
-            // ring's as lie within its modulus (scores `[kvh, C, g, rows]`).
+            // ring's as lie within its modulus, a decode step over the modulus at most (scores
+            // `[kvh, C, g, rows]`).
             let scores = |rows: usize| format!("tensor<{kvh}x{c}x{group}x{rows}xf32>");
             assert!(body.contains(&scores(span)), "{name}: global scores");
-            let sliding = ring.rows_within(span);
+            let sliding = ring.rows_seen(c, Some(span));
+            let within = if span <= ring.modulus {
+                span
+            } else {
+                ring.rows
+            };
             assert_eq!(
                 sliding,
-                if span <= ring.modulus {
-                    span
+                if c == 1 {
+                    within.min(ring.modulus)
                 } else {
-                    ring.rows
+                    within
                 }
             );
             assert!(body.contains(&scores(sliding)), "{name}: sliding scores");
@@ -608,6 +614,18 @@ fn graphs_build_for_tiny_and_real_configs_with_the_head_sliced() {
         }
         let whole = g.manifest.entry_for(Role::Ids, 1, capacity).unwrap();
         assert_eq!(whole.name, entry_name(Input::Ids, 1));
+        // Every decode step's sliding layers attend over the ring's modulus, not its rows past
+        // it (the host folds a chunk's rows there back to `p % modulus`).
+        let step = |rows: usize| format!("tensor<{kvh}x1x{group}x{rows}xf32>");
+        let body = function_of(&g.mlir, &whole.name);
+        assert!(
+            body.contains(&step(ring.modulus)),
+            "the step's sliding scores"
+        );
+        assert!(
+            !body.contains(&step(ring.rows)),
+            "the step over the whole ring"
+        );
         let first = g.manifest.entry_for(Role::Ids, 1, 1).unwrap();
         assert_eq!(first.span, steps.first().copied().unwrap_or(capacity));
         let first = g.manifest.entry_for(Role::Ids, largest, largest).unwrap();
@@ -821,8 +839,8 @@ fn prefill_products_deeper_than_640_are_split_into_blocks() {
 }
 
 /// The llvm-cpu module's tuning spec covers every `P . V` product its chunks run (the sliding
-/// ring, each live span of the global layers, each decode step entry point's span) in
-/// workgroups of whole row tiles.
+/// ring, or its modulus in a decode step, each live span of the global layers, each span entry
+/// point's span) in workgroups of whole row tiles.
 #[test]
 fn the_tuning_spec_tiles_each_attention_product_in_whole_row_tiles() {
     let cfg = real_config();
@@ -858,9 +876,10 @@ fn the_tuning_spec_tiles_each_attention_product_in_whole_row_tiles() {
         }
     }
     assert!(spec.contains(&format!("%v = tensor<{ring}x{hd}xf32>")));
-    // The decode step's entry points: `heads` rows over the ring and each global span, one
-    // `heads` x 64 tile a workgroup.
-    for rows in [ring, 512, 1024, 2048, cfg.context_capacity] {
+    // The decode step's entry points: `heads` rows over the ring's modulus and each global
+    // span, one `heads` x 64 tile a workgroup.
+    let modulus = g.manifest.ring.modulus;
+    for rows in [modulus, 512, 1024, 2048, cfg.context_capacity] {
         let matcher = matcher(heads, rows);
         let tile =
             format!("distribution = [{heads}, 64, 0], vector_common_parallel = [{heads}, 64, 0]");

@@ -286,7 +286,8 @@ fn a_restore_moves_only_what_the_last_turn_wrote(target: Target) {
     drop(w);
     // What a restore may move after a turn: the positions table, and in each ring the rows of
     // the turn's calls, the extend's padded at most to the smallest chunk that holds it (the
-    // model's plan never pads more than that one call).
+    // model's plan never pads more than that one call), and as many again where they ran past
+    // the ring's modulus and were folded back to the rows their positions map to.
     let chunks = m.manifest().chunks.clone();
     let ring_rows = m.manifest().ring.rows;
     let bound = |utterance: usize, steps: usize| -> u64 {
@@ -296,7 +297,7 @@ fn a_restore_moves_only_what_the_last_turn_wrote(target: Target) {
             .map(
                 |(i, b)| match (is_full(&m, i), i / 2 < m.manifest().kv_layouts.len()) {
                     (true, _) => 0,
-                    (false, true) => b.byte_length() / ring_rows * (extend + steps),
+                    (false, true) => b.byte_length() / ring_rows * (2 * extend + steps),
                     (false, false) => b.byte_length(),
                 } as u64,
             )

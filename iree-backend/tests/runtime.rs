@@ -623,6 +623,24 @@ fn ranged_transfers_copy_and_zero_exactly_their_bytes() {
         let e = BufferView::transfer(&device, &[ragged]).unwrap_err();
         assert!(e.to_string().contains("whole words"), "{e}");
         assert_eq!(dst.to_f32_vec().unwrap(), want, "{target:?}: unchanged");
+
+        // Within one buffer: floats 10..13 to 1..4; overlapping ranges or a range past the end
+        // are refused before anything moves.
+        let within = |from, to, len| Transfer::Within {
+            buf: &dst,
+            from,
+            to,
+            len,
+        };
+        BufferView::transfer(&device, &[within(40, 4, 12)]).unwrap();
+        let moved = want.clone();
+        want[1..4].copy_from_slice(&moved[10..13]);
+        assert_eq!(dst.to_f32_vec().unwrap(), want, "{target:?}: within");
+        let e = BufferView::transfer(&device, &[within(8, 4, 8)]).unwrap_err();
+        assert!(e.to_string().contains("overlap"), "{e}");
+        let e = BufferView::transfer(&device, &[within(0, 52, 12)]).unwrap_err();
+        assert!(e.to_string().contains("past the end"), "{e}");
+        assert_eq!(dst.to_f32_vec().unwrap(), want, "{target:?}: unchanged");
     }
 }
 

@@ -123,8 +123,9 @@ pub(super) struct Chunk {
     rope_global: RopeTables,
     /// Row at which the chunk is written into the sliding layers' buffers: `pos0 % modulus`.
     ring_start: Value,
-    /// The first rows of the sliding layers' ring the chunk attends over: all of them, or
-    /// those of the entry point's span ([`RingGeometry::rows_within`]).
+    /// The first rows of the sliding layers' ring the chunk attends over
+    /// ([`RingGeometry::rows_seen`]): all of them, a decode step's modulus, or those of the
+    /// entry point's span.
     sliding_rows: usize,
     /// Visibility of those rows (after the chunk's write) to each query: `[C, sliding_rows]` i1.
     sliding_mask: Value,
@@ -144,9 +145,9 @@ pub(super) struct Forward<'a> {
     pub opts: GraphOptions,
     /// The entry point's span ([`GraphOptions::spans`]): attention runs over the first `span`
     /// rows of the global layers' buffers, without branches, and of the sliding layers' ring
-    /// as [`RingGeometry::rows_within`] allows. `None`: the global layers attend over their
+    /// as [`RingGeometry::rows_seen`] allows. `None`: the global layers attend over their
     /// live span chosen by branches, or over the whole capacity without them; the sliding
-    /// layers over the whole ring.
+    /// layers over the whole ring (a decode step over its modulus).
     pub span: Option<usize>,
 }
 
@@ -384,7 +385,7 @@ impl<'a> Forward<'a> {
         let positions = self
             .b
             .dynamic_update_slice(positions, &stored, &[&ring_start]);
-        let sliding_rows = self.span.map_or(ring.rows, |s| ring.rows_within(s));
+        let sliding_rows = ring.rows_seen(c, self.span);
         let seen = if sliding_rows < ring.rows {
             self.b.slice(&positions, &[0], &[sliding_rows])
         } else {

@@ -194,6 +194,12 @@ pub fn pack_panels<T: Copy + Default + Send + Sync>(
 
 /// The rows of the sliding layers' KV buffers for a module whose largest chunk is
 /// `max_chunk`: chunk row `i` at `pos0` is written to row `pos0 % modulus + i`.
+///
+/// Between calls every position a ring holds is in row `p % modulus`: a chunk call whose rows
+/// run past the modulus (into the `max_chunk` rows after it, so that its write is one in-place
+/// `dynamic_update_slice`) attends over the whole ring, and the host then moves those rows to
+/// `p % modulus` (`IreeKv::fold_ring`). So a decode step, which never runs past the modulus,
+/// attends over the first `modulus` rows only ([`RingGeometry::rows_seen`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RingGeometry {
     /// `window + max_chunk`: a chunk at `pos0` is written at rows
@@ -233,6 +239,19 @@ impl RingGeometry {
             span
         } else {
             self.rows
+        }
+    }
+
+    /// The first rows of the ring that a chunk of `c` rows attends over, in an entry point of
+    /// `span` if it has one: [`RingGeometry::rows_within`] the span, and for a decode step no
+    /// more than the modulus (its one row never runs past it, and every other held position
+    /// is in row `p % modulus`: see the type's docs).
+    pub fn rows_seen(&self, c: usize, span: Option<usize>) -> usize {
+        let rows = span.map_or(self.rows, |s| self.rows_within(s));
+        if c == 1 {
+            rows.min(self.modulus)
+        } else {
+            rows
         }
     }
 }

@@ -305,9 +305,9 @@ fn attention_products(
         } else {
             vec![cfg.context_capacity]
         };
-        rows.push(ring.rows);
+        rows.push(ring.rows_seen(c, None));
         for span in opts.spans(c, cfg.context_capacity, ring) {
-            rows.extend([span, ring.rows_within(span)]);
+            rows.extend([span, ring.rows_seen(c, Some(span))]);
         }
         products.extend(rows.into_iter().map(|rows| (m, rows)));
     }
@@ -379,7 +379,7 @@ fn spec(name: &str, role: Role, dims: &[usize], dtype: DType) -> TensorSpec {
 
 /// The function text and manifest entry of one entry point: with a `span`
 /// ([`GraphOptions::spans`]) attention runs over the first `span` rows of the global layers'
-/// buffers and as many of the ring's as [`RingGeometry::rows_within`] allows, else as the
+/// buffers and as many of the ring's as [`RingGeometry::rows_seen`] allows, else as the
 /// options say.
 fn entry_point(
     cfg: &ModelConfig,

@@ -91,13 +91,22 @@ pub enum Transfer<'a> {
         offset: usize,
         len: usize,
     },
+    /// `len` bytes of `buf` at `from` to `to` in the same buffer (the two ranges apart).
+    Within {
+        buf: &'a BufferView,
+        from: usize,
+        to: usize,
+        len: usize,
+    },
 }
 
 impl Transfer<'_> {
     /// Bytes the operation writes.
     pub fn len(&self) -> usize {
         match self {
-            Transfer::Copy { len, .. } | Transfer::Zero { len, .. } => *len,
+            Transfer::Copy { len, .. }
+            | Transfer::Zero { len, .. }
+            | Transfer::Within { len, .. } => *len,
         }
     }
 
@@ -460,9 +469,9 @@ impl BufferView {
     /// mappings (`host_transfer`). The operations of a batch may run in any order or at once
     /// (the command buffer has no barriers; the CPU splits a large batch over two threads), so
     /// no operation may write what another one reads or writes. Empty ranges are skipped;
-    /// every buffer must belong to `device`, every range lie inside its buffers and a zero fill
-    /// cover whole 4-byte words (checked first: an error names the operation and nothing is
-    /// written).
+    /// every buffer must belong to `device`, every range lie inside its buffers, a zero fill
+    /// cover whole 4-byte words and a copy within one buffer keep its two ranges apart (checked
+    /// first: an error names the operation and nothing is written).
     pub fn transfer(device: &Device, ops: &[Transfer]) -> Result<()> {
         let backend = device.backend();
         for op in ops {
@@ -474,6 +483,16 @@ impl BufferView {
                     len,
                 } => (&[src, dst], *offset, *len),
                 Transfer::Zero { dst, offset, len } => (&[dst], *offset, *len),
+                Transfer::Within { buf, from, to, len } => {
+                    if from.abs_diff(*to) < *len {
+                        return Err(backend_error(
+                            backend,
+                            "device transfer",
+                            format!("{op:?}: the source and target ranges overlap"),
+                        ));
+                    }
+                    (&[buf], *from.max(to), *len)
+                }
             };
             let zero = matches!(op, Transfer::Zero { .. });
             if zero && (offset % 4 != 0 || len % 4 != 0) {
@@ -733,6 +752,14 @@ impl CommandBuffer {
                         0,
                     )
                 },
+                Transfer::Within { buf, from, to, len } => unsafe {
+                    sys::iree_hal_command_buffer_copy_buffer(
+                        cb.raw,
+                        buffer_ref(buf, from, len),
+                        buffer_ref(buf, to, len),
+                        sys::iree_hal_copy_flag_bits_t_IREE_HAL_COPY_FLAG_NONE as _,
+                    )
+                },
             };
             check(backend, || format!("{}: record {op:?}", what()), status)?;
         }
@@ -828,6 +855,13 @@ fn host_ops(device: &Device, ops: &[&Transfer], what: &(dyn Fn() -> String + Syn
                 Transfer::Zero { dst, offset, len } => {
                     sys::iree_hal_buffer_map_zero(dst.buffer(), offset as _, len as _)
                 }
+                Transfer::Within { buf, from, to, len } => sys::iree_hal_buffer_map_copy(
+                    buf.buffer(),
+                    from as _,
+                    buf.buffer(),
+                    to as _,
+                    len as _,
+                ),
             }
         };
         check(device.backend(), || format!("{}: {op:?}", what()), status)?;
