@@ -654,9 +654,11 @@ fn report_growth(what: &str, g: Option<rss::Growth>, rss_limit_kib: i64) {
     };
     let _ = writeln!(
         std::io::stderr(),
-        "{what}: anonymous + shared RSS {} KiB -> {} KiB ({:+} KiB over {} cycles; samples {:?} KiB); {heap}{huge}",
+        "{what}: anonymous + shared RSS {} KiB -> {} KiB, lowest {} KiB -> {} KiB ({:+} KiB over {} cycles; samples {:?} KiB); {heap}{huge}",
         g.before_kib,
         g.after_kib,
+        g.floor_before_kib,
+        g.floor_after_kib,
         g.kib(),
         g.cycles,
         g.samples_kib
