@@ -176,7 +176,7 @@ impl GraphOptions {
     /// The spans below `capacity` of the extra token-id entry points for chunks of `c` rows
     /// ([`span_entry_name`]), with [`GraphOptions::branches`] (else none). Each attends over the
     /// first `span` rows of the global layers' buffers, and of the sliding layers' ring where
-    /// `span` is within its modulus ([`RingGeometry::rows_within`]); the host picks the
+    /// `span` is within its modulus ([`RingGeometry::rows_seen`]); the host picks the
     /// shortest that holds the call ([`Manifest::entry_for`]), so no predicate is read back.
     ///
     /// - The decode step: an eighth, a quarter and half of the capacity, as a chunk's branches
