@@ -113,27 +113,27 @@ impl IreeKv {
         }
     }
 
-    /// After a chunk call of `rows` rows (padding included) that wrote the rings from row
-    /// `start` past their modulus: moves each ring's rows past the modulus to the rows their
+    /// After a chunk call of `rows` rows (padding included) at the state's end (before its
+    /// length counts them), if it wrote the rings past their modulus: moves each ring's rows past the modulus to the rows their
     /// positions map to, `p % modulus`, and empties them in the positions table, so that every
     /// held position is in row `p % modulus` again (what the decode step, which attends over
     /// the modulus only, relies on: [`crate::graphs::RingGeometry`]). The rows overwritten held
     /// positions no later query sees (the same argument as for the chunk's own write). Nothing
     /// to do for a call that stayed within the modulus.
-    pub(crate) fn fold_ring(&mut self, device: &Device, start: usize, rows: usize) -> Result<()> {
-        let pool = Arc::clone(&self.pool);
-        let modulus = pool.ring.modulus;
-        let end = (start + rows).min(pool.ring.rows);
-        if end <= modulus {
+    pub(crate) fn fold_ring(&mut self, device: &Device, rows: usize) -> Result<()> {
+        let ring = self.pool.ring;
+        let end = (self.len % ring.modulus + rows).min(ring.rows);
+        if end <= ring.modulus {
             return Ok(());
         }
-        let past = end - modulus;
+        let (modulus, past) = (ring.modulus, end - ring.modulus);
+        let pool = Arc::clone(&self.pool);
         let mut moves = Vec::new();
         let mut empties = Vec::new();
         for (buf, kind) in self.bufs.iter().zip(&pool.kinds) {
             let row_bytes = match *kind {
                 BufKind::Ring { row_bytes } => row_bytes,
-                BufKind::Whole => buf.byte_length() / pool.ring.rows,
+                BufKind::Whole => buf.byte_length() / ring.rows,
                 BufKind::Rows { .. } => continue,
             };
             moves.push(Transfer::Within {

@@ -561,9 +561,7 @@ impl IreeModel {
             let name = self.manifest.entry_points[entry].name.as_str();
             let calls = &self.entry_calls[entry];
             let pos0 = BufferView::from_i32(&self.device, &[], &[kv.len as i32])?;
-            // The call writes `c` rows at the state's end, padding included: the rings' from
-            // row `ring_start`, past their modulus when the call ends there.
-            let ring_start = kv.len % self.manifest.ring.modulus;
+            // The call writes `c` rows at the state's end, padding included.
             kv.will_write(c);
             let nvalid = BufferView::from_i32(&self.device, &[], &[valid as i32])?;
             // Only the last chunk's next token and logits are returned: the others skip the head.
@@ -596,7 +594,7 @@ impl IreeModel {
                 .count();
             self.kv_copies.fetch_add(copied as u64, Ordering::Relaxed);
             kv.bufs = new_bufs;
-            kv.fold_ring(&self.device, ring_start, c)?;
+            kv.fold_ring(&self.device, c)?;
             kv.len += valid;
             done += valid;
             last = Some(outs);

@@ -27,10 +27,7 @@ fn pair(target: Target) -> Option<&'static Pair> {
         Target::VulkanSpirv => &VULKAN,
     };
     cell.get_or_init(|| {
-        if let Err(e) = Compiler::discover() {
-            eprintln!("SKIPPED: iree-compile not found ({e})");
-            return None;
-        }
+        compiler()?;
         let dir = std::env::temp_dir().join(format!(
             "kvsnap-iree-parity-{}-{}",
             target.name(),
@@ -53,6 +50,13 @@ fn pair(target: Target) -> Option<&'static Pair> {
         Some(Pair { iree, reference })
     })
     .as_ref()
+}
+
+/// The IREE compiler, or `None` after a visible SKIPPED line when it is not installed.
+fn compiler() -> Option<Compiler> {
+    Compiler::discover()
+        .map_err(|e| eprintln!("SKIPPED: iree-compile not found ({e})"))
+        .ok()
 }
 
 /// One test per (scenario, target): `cpu_{name}` and `vulkan_{name}`.
@@ -419,8 +423,7 @@ fn argmax_with_planted_maxima_on_every_target() {
     use kvsnap_iree::runtime::{BufferView, Device, Instance, Session};
     use kvsnap_reference::tiny::config;
 
-    let Ok(compiler) = Compiler::discover() else {
-        eprintln!("SKIPPED: iree-compile not found");
+    let Some(compiler) = compiler() else {
         return;
     };
     let cfg = config(Preset::RealShapes);
@@ -493,8 +496,7 @@ fn screened_head_matches_the_reference_screen_on_planted_tables() {
     use kvsnap_reference::head::TiedHead;
     use kvsnap_reference::tiny::config;
 
-    let Ok(compiler) = Compiler::discover() else {
-        eprintln!("SKIPPED: iree-compile not found");
+    let Some(compiler) = compiler() else {
         return;
     };
     let mut cfg = config(Preset::Tiny);
@@ -591,8 +593,7 @@ fn tiny_variant(
 /// agrees, and the state the rerun leaves continues exactly as one built with logits.
 #[test]
 fn unsettled_screen_reruns_the_chunk_with_the_full_head() {
-    if let Err(e) = Compiler::discover() {
-        eprintln!("SKIPPED: iree-compile not found ({e})");
+    if compiler().is_none() {
         return;
     }
     let config = |json: &mut serde_json::Value| json["vocab_size"] = 1024.into();
@@ -652,8 +653,7 @@ fn unsettled_screen_reruns_the_chunk_with_the_full_head() {
 fn stacked_projections_with_partial_panels_match_the_reference() {
     use kvsnap_iree::graphs::PROJECTION_LANES;
 
-    if let Err(e) = Compiler::discover() {
-        eprintln!("SKIPPED: iree-compile not found ({e})");
+    if compiler().is_none() {
         return;
     }
     let config = |json: &mut serde_json::Value| {
@@ -720,8 +720,7 @@ fn stacked_projections_with_partial_panels_match_the_reference() {
 /// each call matching the reference.
 #[test]
 fn prefill_chunks_attend_over_the_rows_written_so_far() {
-    if let Err(e) = Compiler::discover() {
-        eprintln!("SKIPPED: iree-compile not found ({e})");
+    if compiler().is_none() {
         return;
     }
     let config = |json: &mut serde_json::Value| json["sliding_window"] = 64.into();

@@ -280,7 +280,7 @@ pub struct EntryPoint {
     /// The rows of the KV buffers it may attend over: a call's chunk must end at or before
     /// this row. The capacity, or a span of [`GraphOptions::spans`](super::GraphOptions::spans)
     /// over whose first rows the global layers attend, and the sliding layers too where the
-    /// ring allows ([`RingGeometry::rows_within`]).
+    /// ring allows ([`RingGeometry::rows_seen`]).
     pub span: usize,
     /// Arguments in call order: chunk input, `pos0`, `valid`, `head`, weights, the screened
     /// head's tensors (if any), KV buffers.
