@@ -12,6 +12,60 @@ use super::manifest::{weight_specs, WeightLayout};
 /// Rows of `P` per workgroup in attention's second product, the largest that divides `M`.
 const PV_ROW_TILES: [usize; 4] = [64, 32, 16, 8];
 
+/// Workers a panel matvec's workgroups are balanced for ([`balanced`]): the 2-core hosts this
+/// runs on, and 4.
+const BALANCED_WORKERS: [usize; 2] = [2, 4];
+
+/// Tiles IREE's local-task processor claims at a time from a dispatch of at least `8 x workers`
+/// tiles (its `IREE_HAL_CMD_DISPATCH_MAX_TILES_PER_RESERVATION`); smaller ones are claimed one
+/// at a time.
+const TILES_PER_RESERVATION: usize = 8;
+
+/// Whether `tiles` workgroups keep each of `workers` busy to the end: the claims (one tile
+/// each, or [`TILES_PER_RESERVATION`] from a large dispatch) divide evenly among them.
+///
+/// A worker that runs out of tiles while another still works parks; the next dispatch starts
+/// only once it has been woken, 40-50 us later on a 2-vCPU VM. A decode step's down and o
+/// projections (20 panels, 5 workgroups of 4: 3 tiles on one worker, 2 on the other) waited
+/// 0.95 ms a step so, and ran 10% slower (docs/BENCHMARKS.md, twenty-fifth pass).
+pub fn balanced(tiles: usize, workers: usize) -> bool {
+    let claim = if tiles < workers * TILES_PER_RESERVATION {
+        1
+    } else {
+        TILES_PER_RESERVATION
+    };
+    tiles.is_multiple_of(claim) && (tiles / claim).is_multiple_of(workers)
+}
+
+/// Panels per workgroup and per register tile of a matvec over `panels` panels: the preferred
+/// multiple of four (a quarter of an eighth of the panels, 4 to 64), or, where that leaves a
+/// worker of [`BALANCED_WORKERS`] idle, the divisor of `panels` nearest to it whose workgroup
+/// count is [`balanced`] (20 panels: 5 a workgroup, 4 workgroups). The register tile is 4
+/// panels, or the whole workgroup where four do not divide it (at most 8: 16 accumulators).
+pub fn panel_tiles(panels: usize) -> (usize, usize) {
+    let preferred = (panels / 8 / 4 * 4).clamp(4, 64);
+    let fits = |p: usize| {
+        panels.is_multiple_of(p) && BALANCED_WORKERS.iter().all(|&w| balanced(panels / p, w))
+    };
+    let per_workgroup = if fits(preferred) {
+        preferred
+    } else {
+        (1..=64)
+            .filter(|&p| fits(p))
+            .min_by_key(|&p| p.abs_diff(preferred))
+            .unwrap_or(preferred)
+    };
+    let vector = if per_workgroup.is_multiple_of(4) {
+        4
+    } else {
+        (1..=8.min(per_workgroup))
+            .rev()
+            .find(|v| per_workgroup.is_multiple_of(*v))
+            .unwrap_or(1)
+    };
+    (per_workgroup, vector)
+}
+
 /// The tuning spec of a module whose matrices come in `layout`, if it has one.
 ///
 /// With [`WeightLayout::Panels`] each matvec of the decode step and the head is a
@@ -22,7 +76,8 @@ const PV_ROW_TILES: [usize; 4] = [64, 32, 16, 8];
 /// accumulators, four streams) read at the machine's bandwidth: the head alone 35.7 -> 30.9 ms,
 /// a `[16384, 640, 16]` reduction 36 -> 28 ms (the projections' 32-lane panels: two vectors per
 /// panel and position, eight accumulators). Each workgroup takes a multiple of four panels, at
-/// most 64 and at least eight workgroups' worth where the weight has them.
+/// most 64 and at least eight workgroups' worth where the weight has them, unless that count
+/// of workgroups would leave a worker idle (`panel_tiles` below).
 ///
 /// Attention's second product, `P [M, rows] . V [rows, head_dim]` (a `linalg.matmul` where
 /// there is one KV head), gets 8 x 32 register tiles with the depth loop innermost: IREE's
@@ -55,14 +110,14 @@ pub fn llvm_cpu_tuning_spec(
     let mut matchers = String::new();
     let mut entries = Vec::new();
     for (i, dims) in types.iter().enumerate() {
-        let per_workgroup = (dims[0] / 8 / 4 * 4).clamp(4, 64);
+        let (per_workgroup, vector) = panel_tiles(dims[0]);
         writeln!(
             matchers,
             r#"  transform.named_sequence @match_panels_{i}(%op: !transform.any_op {{transform.readonly}}) -> (!transform.any_op, !transform.any_param) {{
     transform.match.operation_name %op ["linalg.generic"] : !transform.any_op
     %weight = transform.get_operand %op[0] : (!transform.any_op) -> !transform.any_value
     transform.iree.match.cast_compatible_type %weight = tensor<{}x{}x{}xf32> : !transform.any_value
-    %config = transform.param.constant #iree_codegen.compilation_info<lowering_config = #iree_cpu.lowering_config<distribution = [{per_workgroup}, {lanes}, 0], vector_common_parallel = [4, {lanes}, 0], vector_reduction = [0, 0, 16]>, translation_info = #iree_codegen.translation_info<pipeline = #iree_cpu.pipeline<DoubleTilingExpert>>> -> !transform.any_param
+    %config = transform.param.constant #iree_codegen.compilation_info<lowering_config = #iree_cpu.lowering_config<distribution = [{per_workgroup}, {lanes}, 0], vector_common_parallel = [{vector}, {lanes}, 0], vector_reduction = [0, 0, 16]>, translation_info = #iree_codegen.translation_info<pipeline = #iree_cpu.pipeline<DoubleTilingExpert>>> -> !transform.any_param
     transform.yield %op, %config : !transform.any_op, !transform.any_param
   }}"#,
             dims[0], dims[1], dims[2], lanes = dims[2]
@@ -134,12 +189,14 @@ mod tests {
         let spec = llvm_cpu_tuning_spec(&cfg, panels, panels, &[]).unwrap();
         // One matcher per panel shape: the table, q, k and v stacked, o, gate and up
         // stacked, down.
-        for (dims, per_workgroup, lanes) in [
-            ("16384x640x16", 64, 16),
-            ("48x640x32", 4, 32),
-            ("20x1024x32", 4, 32),
-            ("128x640x32", 16, 32),
-            ("20x2048x32", 4, 32),
+        // o and down have 20 panels: 5 a workgroup, so that 4 workgroups keep 2 or 4 workers
+        // busy to the end.
+        for (dims, per_workgroup, vector, lanes) in [
+            ("16384x640x16", 64, 4, 16),
+            ("48x640x32", 4, 4, 32),
+            ("20x1024x32", 5, 5, 32),
+            ("128x640x32", 16, 4, 32),
+            ("20x2048x32", 5, 5, 32),
         ] {
             let matched = format!("%weight = tensor<{dims}xf32>");
             assert_eq!(spec.matches(&matched).count(), 1, "{dims}");
@@ -147,7 +204,7 @@ mod tests {
             let config = &spec[at..at + spec[at..].find("translation_info").unwrap()];
             assert!(
                 config.contains(&format!(
-                    "distribution = [{per_workgroup}, {lanes}, 0], vector_common_parallel = [4, {lanes}, 0]"
+                    "distribution = [{per_workgroup}, {lanes}, 0], vector_common_parallel = [{vector}, {lanes}, 0]"
                 )),
                 "{dims}: {config}"
             );
@@ -157,6 +214,45 @@ mod tests {
         let spec = llvm_cpu_tuning_spec(&cfg, rows, panels, &[]).unwrap();
         assert!(!spec.contains("16384x640x16"));
         assert_eq!(spec.matches("-> @apply_op_config").count(), 4);
+    }
+
+    #[test]
+    fn balance_follows_the_processors_claims() {
+        // Under 8 tiles a worker, one tile a claim: an even share or not.
+        assert!(balanced(4, 2) && balanced(12, 2) && balanced(12, 4));
+        assert!(!balanced(5, 2) && !balanced(10, 4) && !balanced(1, 2));
+        // From 8 a worker, 8 a claim: 20 tiles on 2 workers are claims of 8, 8 and 4.
+        assert!(!balanced(20, 2) && balanced(20, 4));
+        assert!(balanced(256, 2) && balanced(256, 4) && balanced(32, 2));
+        assert!(!balanced(24, 2) && !balanced(40, 4));
+    }
+
+    #[test]
+    fn panel_tiles_keep_every_worker_busy() {
+        for panels in [4, 8, 12, 20, 40, 48, 64, 80, 128, 160, 256, 1024, 16384] {
+            let (per_workgroup, vector) = panel_tiles(panels);
+            assert!(
+                panels.is_multiple_of(per_workgroup),
+                "{panels}: {per_workgroup}"
+            );
+            assert!(
+                per_workgroup.is_multiple_of(vector) && vector <= 8,
+                "{panels}"
+            );
+            for workers in BALANCED_WORKERS {
+                assert!(
+                    balanced(panels / per_workgroup, workers),
+                    "{panels} panels in {} tiles on {workers} workers",
+                    panels / per_workgroup
+                );
+            }
+        }
+        // Where the preferred tile is balanced it stays; 20 panels move to 5 a workgroup.
+        assert_eq!(panel_tiles(128), (16, 4));
+        assert_eq!(panel_tiles(48), (4, 4));
+        assert_eq!(panel_tiles(20), (5, 5));
+        // No divisor balances 7 panels: the preferred tile (one partial workgroup).
+        assert_eq!(panel_tiles(7), (4, 4));
     }
 
     #[test]
