@@ -23,7 +23,8 @@ pub use crate::kv::IreeKv;
 use crate::kv::KvPool;
 use crate::resident::{self, Lease};
 use crate::runtime::{
-    as_bytes, AlignedBytes, BufferView, Device, DeviceKind, ElementType, ImportMode, ImportStats,
+    as_bytes, AlignedBytes, Arg, BufferView, Device, DeviceKind, ElementType, ImportMode,
+    ImportStats,
 };
 
 /// How to load an [`IreeModel`].
@@ -263,6 +264,14 @@ const HEAD_SCREEN: i32 = 2;
 /// HF name of the embedding table (also the tied head).
 const EMBED_TOKENS: &str = "model.embed_tokens.weight";
 
+/// What one chunk call computes on: its input rows, and `pos0` and `valid` both as tensors
+/// (for the graph) and by value (for the module's host program).
+struct ChunkRows<'a> {
+    input: &'a BufferView,
+    pos0: (&'a BufferView, i32),
+    valid: (&'a BufferView, i32),
+}
+
 /// The rows of one chunk call.
 #[derive(Clone, Copy)]
 enum ChunkInput<'a> {
@@ -348,7 +357,7 @@ impl IreeModel {
             .map(|spec| {
                 let elem = match spec.dtype {
                     DType::F32 => ElementType::F32,
-                    DType::I32 => ElementType::I32,
+                    DType::I32 | DType::HostI32 => ElementType::I32,
                     DType::I8 => ElementType::I8,
                 };
                 (spec.dims.clone(), elem)
@@ -560,10 +569,11 @@ impl IreeModel {
             })?;
             let name = self.manifest.entry_points[entry].name.as_str();
             let calls = &self.entry_calls[entry];
-            let pos0 = BufferView::from_i32(&self.device, &[], &[kv.len as i32])?;
+            let pos0 = kv.len as i32;
+            let pos0_view = BufferView::from_i32(&self.device, &[], &[pos0])?;
             // The call writes `c` rows at the state's end, padding included.
             kv.will_write(c);
-            let nvalid = BufferView::from_i32(&self.device, &[], &[valid as i32])?;
+            let valid_view = BufferView::from_i32(&self.device, &[], &[valid as i32])?;
             // Only the last chunk's next token and logits are returned: the others skip the head.
             // Without logits the screened head finds the token alone, else the full head.
             let head = match (index + 1 == chunks, want) {
@@ -571,13 +581,18 @@ impl IreeModel {
                 (true, Logits::Skip) if self.screen => HEAD_SCREEN,
                 (true, _) => HEAD_FULL,
             };
-            let mut outs = self.call(&session, name, [&first, &pos0, &nvalid], head, kv)?;
+            let rows = ChunkRows {
+                input: &first,
+                pos0: (&pos0_view, pos0),
+                valid: (&valid_view, valid as i32),
+            };
+            let mut outs = self.call(&session, name, &rows, head, kv)?;
             calls.fetch_add(1, Ordering::Relaxed);
             if head == HEAD_SCREEN && outs[0].to_i32_vec()?[0] < 0 {
                 // Unsettled: the same chunk again (it writes the same K/V rows at the same
                 // positions, and reads what the first call read) with the full head.
                 self.screen_fallbacks.fetch_add(1, Ordering::Relaxed);
-                outs = self.call(&session, name, [&first, &pos0, &nvalid], HEAD_FULL, kv)?;
+                outs = self.call(&session, name, &rows, HEAD_FULL, kv)?;
                 calls.fetch_add(1, Ordering::Relaxed);
             }
             if outs.len() != 2 + kv.bufs.len() {
@@ -617,22 +632,27 @@ impl IreeModel {
         })
     }
 
-    /// Calls entry point `name` with the chunk's `inputs` (chunk input, `pos0`, `valid`), the
-    /// `head` flag, the weights and `kv`'s buffers.
+    /// Calls entry point `name` with the chunk's `rows`, the `head` flag, the weights and
+    /// `kv`'s buffers.
     fn call(
         &self,
         session: &crate::runtime::Session,
         name: &str,
-        inputs: [&BufferView; 3],
+        rows: &ChunkRows,
         head: i32,
         kv: &IreeKv,
     ) -> Result<Vec<BufferView>> {
-        let head = BufferView::from_i32(&self.device, &[], &[head])?;
-        let mut args: Vec<&BufferView> = inputs.to_vec();
-        args.push(&head);
-        args.extend(self.weights.iter());
-        args.extend(kv.bufs.iter());
-        session.call(name, &args)
+        let mut args = vec![
+            Arg::View(rows.input),
+            Arg::View(rows.pos0.0),
+            Arg::View(rows.valid.0),
+            Arg::I32(head),
+            Arg::I32(rows.pos0.1),
+            Arg::I32(rows.valid.1),
+        ];
+        args.extend(self.weights.iter().map(Arg::View));
+        args.extend(kv.bufs.iter().map(Arg::View));
+        session.call_args(name, &args)
     }
 
     fn backend_error(&self, op: &str, status: &str) -> Error {

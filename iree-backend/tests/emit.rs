@@ -345,6 +345,12 @@ fn iree_compile() -> Option<PathBuf> {
 
 /// Compiles `mlir` for llvm-cpu; `None` (and a visible SKIPPED line) without a compiler.
 fn compile(mlir: &str, what: &str) -> Option<()> {
+    run_compiler(mlir, what, &[]).map(|_| ())
+}
+
+/// Runs `iree-compile` for llvm-cpu on `mlir` with the `extra` flags and returns what it wrote;
+/// `None` (and a visible SKIPPED line) without a compiler.
+fn run_compiler(mlir: &str, what: &str, extra: &[&str]) -> Option<Vec<u8>> {
     let Some(exe) = iree_compile() else {
         eprintln!("SKIPPED: iree-compile not found ({what})");
         return None;
@@ -360,9 +366,10 @@ fn compile(mlir: &str, what: &str) -> Option<()> {
             "--iree-hal-local-target-device-backends=llvm-cpu",
             "--iree-llvmcpu-target-cpu=generic",
         ])
+        .args(extra)
         .arg(&src)
         .arg("-o")
-        .arg(dir.join("m.vmfb"))
+        .arg(dir.join("m.out"))
         .output()
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -370,8 +377,9 @@ fn compile(mlir: &str, what: &str) -> Option<()> {
         out.status.success(),
         "iree-compile failed on {what}:\n{stderr}"
     );
+    let written = std::fs::read(dir.join("m.out")).unwrap();
     std::fs::remove_dir_all(&dir).ok();
-    Some(())
+    Some(written)
 }
 
 #[test]
@@ -382,6 +390,7 @@ fn every_op_compiles() {
     let ids = b.arg(i32t(&[3]));
     let w = b.arg(f32t(&[8, 4]));
     let bytes = b.arg(TensorType::new(&[4], ElemType::I8));
+    let host = b.scalar_arg();
     let idx = b.reshape(&ids, &[3, 1]);
     let rows = b.gather_rows(&x, &idx);
     let lane_idx = b.concatenate(&[&idx, &idx], 1);
@@ -390,7 +399,21 @@ fn every_op_compiles() {
     let rows = b.add(&rows, &lanes);
     let u = b.exp(&rows);
     let y = b.scatter_rows(&x, &idx, &u);
-    let y = b.dynamic_update_slice(&y, &rows, &[&i, &i, &i]);
+    // Indices and a predicate from host scalars.
+    let three = b.scalar_i32(3);
+    let row = b.scalar_rem(&host, &three);
+    let row = b.scalar_add(&row, &three);
+    let row = b.scalar_sub(&row, &three);
+    let row_t = b.tensor_of(&row);
+    let y = b.dynamic_update_slice(&y, &rows, &[&row_t, &i, &i]);
+    let first = b.scalar_compare(Cmp::Ge, &host, &three);
+    let first = b.tensor_of(&first);
+    let open = b.open_region();
+    let then = b.close_region(open, &[&y]);
+    let open = b.open_region();
+    let y2 = b.neg(&y);
+    let otherwise = b.close_region(open, &[&y2]);
+    let y = b.if_else(&first, then, otherwise).remove(0);
     let s = b.dynamic_slice(&y, &[&i, &i, &i], &[2, 2, 4]);
     let s = b.reshape(&s, &[4, 4]);
     let m = b.dot_general(&w, &s, &DotDims::contract(1, 1)); // [8, 4]
@@ -441,6 +464,82 @@ fn every_op_compiles() {
     let mut module = Module::new("ops");
     module.push(b.finish(&[&out, &mx]));
     compile(&module.text(), "ops");
+}
+
+#[test]
+fn scalar_arguments_are_printed_as_i32() {
+    let mut b = FuncBuilder::new("f");
+    let x = b.arg(i32t(&[]));
+    let n = b.scalar_arg();
+    let one = b.scalar_i32(1);
+    let m = b.scalar_sub(&n, &one);
+    let p = b.scalar_compare(Cmp::Lt, &m, &one);
+    let t = b.tensor_of(&m);
+    let pt = b.tensor_of(&p);
+    assert_eq!(
+        (t.ty.clone(), pt.ty.clone()),
+        (i32t(&[]), TensorType::i1(&[]))
+    );
+    let y = b.add(&x, &t);
+    let text = b.finish(&[&y]);
+    assert!(text.contains("@f(%0: tensor<i32>, %1: i32)"), "{text}");
+    assert!(
+        text.contains("\"arith.constant\"() {value = 1 : i32} : () -> i32"),
+        "{text}"
+    );
+    assert!(
+        text.contains("\"arith.subi\"(%1, %2) : (i32, i32) -> i32"),
+        "{text}"
+    );
+    assert!(
+        text.contains("\"arith.cmpi\"(%3, %2) {predicate = 2 : i64} : (i32, i32) -> i1"),
+        "{text}"
+    );
+    assert!(
+        text.contains("\"tensor.from_elements\"(%3) : (i32) -> tensor<i32>"),
+        "{text}"
+    );
+}
+
+/// Every public function of the tiny model's llvm-cpu module, with branches and the screened
+/// head, compiled to IREE's stream dialect: none reads a value back to the host before its
+/// end (`stream.resource.load`). Indices and predicates computed on the device would each
+/// cost a queue round trip (0.1-0.7 ms a decode step on a 2-vCPU host, twenty-fifth pass).
+#[test]
+fn no_entry_point_reads_back_before_its_end() {
+    let cfg = config(Preset::Tiny);
+    let opts = GraphOptions {
+        screen: true,
+        ..GraphOptions::llvm_cpu()
+    };
+    let g = graphs::build(&cfg, &[1, 8], opts);
+    let Some(stream) = run_compiler(&g.mlir, "stream", &["--compile-to=stream"]) else {
+        return;
+    };
+    let stream = String::from_utf8(stream).unwrap();
+    let names: Vec<&str> = g
+        .manifest
+        .entry_points
+        .iter()
+        .map(|e| e.name.as_str())
+        .collect();
+    assert!(names.len() >= 4, "{names:?}");
+    for name in names {
+        let start = stream
+            .find(&format!("util.func public @{name}("))
+            .unwrap_or_else(|| panic!("no @{name} in the stream IR"));
+        let body = &stream[start..];
+        let body = &body[..body.find("\n  }\n").expect("the function's end")];
+        assert!(
+            body.contains("stream.cmd.dispatch"),
+            "{name}: no dispatch found"
+        );
+        assert_eq!(
+            body.matches("stream.resource.load").count(),
+            0,
+            "{name} reads a value back to the host"
+        );
+    }
 }
 
 // ---- graphs --------------------------------------------------------------------------------
@@ -728,8 +827,22 @@ fn manifest_lists_weights_by_hf_name_in_call_order() {
         .lines()
         .find(|l| l.contains("@chunk_ids_c1("))
         .unwrap();
-    assert!(sig
-        .contains("(%0: tensor<1xi32>, %1: tensor<i32>, %2: tensor<i32>, %3: tensor<i32>, %4: tensor<512x64xf32>"));
+    // head, pos0 and valid by value after pos0 and valid as tensors: the host program
+    // computes indices and branches with them.
+    assert!(sig.contains(
+        "(%0: tensor<1xi32>, %1: tensor<i32>, %2: tensor<i32>, %3: i32, %4: i32, %5: i32, %6: tensor<512x64xf32>"
+    ));
+    let roles: Vec<(Role, DType)> = e.args[1..6].iter().map(|a| (a.role, a.dtype)).collect();
+    assert_eq!(
+        roles,
+        [
+            (Role::Pos0, DType::I32),
+            (Role::Valid, DType::I32),
+            (Role::Head, DType::HostI32),
+            (Role::Pos0Host, DType::HostI32),
+            (Role::ValidHost, DType::HostI32)
+        ]
+    );
     let json = serde_json::to_string(&g.manifest).unwrap();
     let back: graphs::Manifest = serde_json::from_str(&json).unwrap();
     assert_eq!(back, g.manifest);

@@ -8,7 +8,7 @@ use std::sync::{Arc, OnceLock};
 use kvsnap_contract::Error;
 use kvsnap_iree::compile::{Compiler, Target};
 use kvsnap_iree::runtime::{
-    BufferView, Device, DeviceKind, ElementType, ImportMode, Instance, Session, Transfer,
+    Arg, BufferView, Device, DeviceKind, ElementType, ImportMode, Instance, Session, Transfer,
     HOST_IMPORT_ALIGNMENT,
 };
 
@@ -22,6 +22,19 @@ func.func @add(%a: tensor<4xf32>, %b: tensor<4xf32>) -> tensor<4xf32> {
 /// Cache rows R, width W. A dynamic_update_slice of one row at a runtime position.
 const DUS: &str = r#"
 func.func @update(%cache: tensor<16x8xf32>, %row: tensor<1x8xf32>, %pos: tensor<i32>) -> tensor<16x8xf32> {
+  %c0 = stablehlo.constant dense<0> : tensor<i32>
+  %0 = stablehlo.dynamic_update_slice %cache, %row, %pos, %c0 : (tensor<16x8xf32>, tensor<1x8xf32>, tensor<i32>, tensor<i32>) -> tensor<16x8xf32>
+  return %0 : tensor<16x8xf32>
+}
+"#;
+
+/// The same update at a row passed by value (`i32`, not a tensor), taken modulo 16 by the
+/// module's host program.
+const DUS_AT: &str = r#"
+func.func @update_at(%cache: tensor<16x8xf32>, %row: tensor<1x8xf32>, %at: i32) -> tensor<16x8xf32> {
+  %c16 = arith.constant 16 : i32
+  %r = arith.remsi %at, %c16 : i32
+  %pos = tensor.from_elements %r : tensor<i32>
   %c0 = stablehlo.constant dense<0> : tensor<i32>
   %0 = stablehlo.dynamic_update_slice %cache, %row, %pos, %c0 : (tensor<16x8xf32>, tensor<1x8xf32>, tensor<i32>, tensor<i32>) -> tensor<16x8xf32>
   return %0 : tensor<16x8xf32>
@@ -251,6 +264,43 @@ fn device_copy_is_an_independent_snapshot() {
         let out2 = session.call("update", &[&snapshot, &r2, &pos]).unwrap();
         assert_eq!(out2[0].to_f32_vec().unwrap(), expected_after(7, &row2));
         assert_eq!(cache.to_f32_vec().unwrap(), before, "{target:?}");
+    }
+}
+
+#[test]
+fn scalar_arguments_pass_by_value() {
+    for (device, target) in devices() {
+        let session = load(&device, target, DUS_AT);
+        let cache = BufferView::from_f32(&device, &[ROWS, WIDTH], &cache_values()).unwrap();
+        let row = row_values(5000.0, 1);
+        let r = BufferView::from_f32(&device, &[1, WIDTH], &row).unwrap();
+        // Row 21 % 16 = 5.
+        let args = [Arg::View(&cache), Arg::View(&r), Arg::I32(21)];
+        let out = session.call_args("update_at", &args).unwrap();
+        assert_eq!(
+            out[0].to_f32_vec().unwrap(),
+            expected_after(5, &row),
+            "{target:?}"
+        );
+
+        // A scalar for a tensor argument, or a tensor for the scalar: IREE's error, and the
+        // session still works.
+        let pos = BufferView::from_i32(&device, &[], &[3]).unwrap();
+        let wrong = [Arg::View(&cache), Arg::View(&r), Arg::View(&pos)];
+        let (op, status) = backend_text(session.call_args("update_at", &wrong).unwrap_err());
+        eprintln!("IREE on a tensor for an i32: {op}: {status}");
+        assert!(op.contains("update_at"), "{op}");
+        assert!(status.contains("not a value type"), "{status}");
+        let wrong = [Arg::View(&cache), Arg::I32(1), Arg::I32(3)];
+        let (_, status) = backend_text(session.call_args("update_at", &wrong).unwrap_err());
+        eprintln!("IREE on an i32 for a tensor: {status}");
+        assert!(status.contains("FAILED_PRECONDITION"), "{status}");
+        let out = session.call_args("update_at", &args).unwrap();
+        assert_eq!(
+            out[0].to_f32_vec().unwrap(),
+            expected_after(5, &row),
+            "{target:?}"
+        );
     }
 }
 

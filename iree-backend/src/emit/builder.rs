@@ -11,7 +11,7 @@
 
 use std::fmt::Write;
 
-use super::types::{ElemType, TensorType, Value};
+use super::types::{ElemType, Scalar, TensorType, Value};
 
 /// Comparison direction of `stablehlo.compare`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -31,6 +31,18 @@ pub enum Cmp {
 }
 
 impl Cmp {
+    /// The `arith.cmpi` predicate (signed): `eq` 0, `ne` 1, `slt` 2, `sle` 3, `sgt` 4, `sge` 5.
+    fn arith_predicate(self) -> u32 {
+        match self {
+            Cmp::Eq => 0,
+            Cmp::Ne => 1,
+            Cmp::Lt => 2,
+            Cmp::Le => 3,
+            Cmp::Gt => 4,
+            Cmp::Ge => 5,
+        }
+    }
+
     fn mlir(self) -> &'static str {
         match self {
             Cmp::Eq => "EQ",
@@ -108,7 +120,8 @@ pub struct OpenRegion {
 #[derive(Debug)]
 pub struct FuncBuilder {
     name: String,
-    args: Vec<Value>,
+    /// `%id: type` of each argument, in order.
+    args: Vec<String>,
     body: String,
     next_id: usize,
 }
@@ -173,6 +186,15 @@ impl FuncBuilder {
         v
     }
 
+    fn fresh_scalar(&mut self, elem: ElemType) -> Scalar {
+        let s = Scalar {
+            id: self.next_id,
+            elem,
+        };
+        self.next_id += 1;
+        s
+    }
+
     /// A fresh SSA name for a scalar inside a region (`%12`).
     fn fresh_name(&mut self) -> String {
         let name = format!("%{}", self.next_id);
@@ -183,18 +205,20 @@ impl FuncBuilder {
     /// Appends a function argument of type `ty`.
     pub fn arg(&mut self, ty: TensorType) -> Value {
         let v = self.fresh(ty);
-        self.args.push(v.clone());
+        self.args.push(format!("{v}: {}", v.ty));
         v
+    }
+
+    /// Appends an `i32` function argument passed by value, a host scalar.
+    pub fn scalar_arg(&mut self) -> Scalar {
+        let s = self.fresh_scalar(ElemType::I32);
+        self.args.push(format!("{s}: i32"));
+        s
     }
 
     /// The text of the function returning `results`.
     pub fn finish(self, results: &[&Value]) -> String {
-        let args = self
-            .args
-            .iter()
-            .map(|a| format!("{a}: {}", a.ty))
-            .collect::<Vec<_>>()
-            .join(", ");
+        let args = self.args.join(", ");
         format!(
             "  func.func @{}({args}) -> ({}) {{\n{}    \"func.return\"({}) : ({}) -> ()\n  }}\n",
             self.name,
@@ -276,6 +300,88 @@ impl FuncBuilder {
             &format!("iota_dimension = {dim} : i64"),
             TensorType::i32(dims),
         )
+    }
+
+    // ---- host scalars -----------------------------------------------------------------------
+
+    /// Appends `%r = "arith.{op}"(operands) {attrs} : (types) -> elem` on host scalars.
+    fn arith(&mut self, op: &str, args: &[&Scalar], attrs: &str, elem: ElemType) -> Scalar {
+        let r = self.fresh_scalar(elem);
+        let names = args
+            .iter()
+            .map(|a| a.to_string())
+            .collect::<Vec<_>>()
+            .join(", ");
+        let tys = args
+            .iter()
+            .map(|a| a.elem.mlir())
+            .collect::<Vec<_>>()
+            .join(", ");
+        writeln!(
+            self.body,
+            "    {r} = \"arith.{op}\"({names}){attrs} : ({tys}) -> {}",
+            elem.mlir()
+        )
+        .expect("writing to a String");
+        r
+    }
+
+    fn arith_i32(&mut self, op: &str, a: &Scalar, b: &Scalar) -> Scalar {
+        assert!(
+            a.elem == ElemType::I32 && b.elem == ElemType::I32,
+            "arith.{op}: operands must be i32 scalars"
+        );
+        self.arith(op, &[a, b], "", ElemType::I32)
+    }
+
+    /// Emits `arith.constant`: an i32 host scalar.
+    pub fn scalar_i32(&mut self, value: i32) -> Scalar {
+        self.arith(
+            "constant",
+            &[],
+            &format!(" {{value = {value} : i32}}"),
+            ElemType::I32,
+        )
+    }
+
+    /// Emits `arith.addi` of two i32 host scalars.
+    pub fn scalar_add(&mut self, a: &Scalar, b: &Scalar) -> Scalar {
+        self.arith_i32("addi", a, b)
+    }
+
+    /// Emits `arith.subi` of two i32 host scalars.
+    pub fn scalar_sub(&mut self, a: &Scalar, b: &Scalar) -> Scalar {
+        self.arith_i32("subi", a, b)
+    }
+
+    /// Emits `arith.remsi`: the signed remainder of two i32 host scalars (the sign of `a`).
+    pub fn scalar_rem(&mut self, a: &Scalar, b: &Scalar) -> Scalar {
+        self.arith_i32("remsi", a, b)
+    }
+
+    /// Emits `arith.cmpi` (signed): an i1 host scalar.
+    pub fn scalar_compare(&mut self, dir: Cmp, a: &Scalar, b: &Scalar) -> Scalar {
+        assert!(
+            a.elem == ElemType::I32 && b.elem == ElemType::I32,
+            "arith.cmpi: operands must be i32 scalars"
+        );
+        let attrs = format!(" {{predicate = {} : i64}}", dir.arith_predicate());
+        self.arith("cmpi", &[a, b], &attrs, ElemType::I1)
+    }
+
+    /// Emits `tensor.from_elements`: the host scalar `s` as a rank-0 tensor of its type. Where
+    /// the tensor is an index of a dynamic slice or a branch's predicate, IREE folds it back to
+    /// the scalar; elsewhere the scalar reaches the dispatch as a constant.
+    pub fn tensor_of(&mut self, s: &Scalar) -> Value {
+        let r = self.fresh(TensorType::new(&[], s.elem));
+        writeln!(
+            self.body,
+            "    {r} = \"tensor.from_elements\"({s}) : ({}) -> {}",
+            s.elem.mlir(),
+            r.ty
+        )
+        .expect("writing to a String");
+        r
     }
 
     // ---- shape ops --------------------------------------------------------------------------

@@ -1,14 +1,15 @@
 //! A small typed StableHLO text emitter.
 //!
 //! [`FuncBuilder`] appends one op per method call ("Emits `stablehlo.add`"), each checking its
-//! operand shapes and returning a typed [`Value`]; [`Module`] collects functions into the text
-//! that `iree-compile --iree-input-type=stablehlo` reads.
+//! operand shapes and returning a typed [`Value`] (or, for the `arith` ops on host scalars, a
+//! [`Scalar`]); [`Module`] collects functions into the text that `iree-compile
+//! --iree-input-type=stablehlo` reads.
 
 mod builder;
 mod types;
 
 pub use builder::{Cmp, DotDims, FuncBuilder, OpenRegion, Reduction, Region};
-pub use types::{ElemType, TensorType, Value};
+pub use types::{ElemType, Scalar, TensorType, Value};
 
 /// A `module @name { ... }` of functions.
 #[derive(Debug, Default)]

@@ -117,3 +117,22 @@ impl fmt::Display for Value {
         write!(f, "%{}", self.id)
     }
 }
+
+/// A host scalar of the function being built, printed `%{id}`: an `i32` or `i1` outside any
+/// tensor. IREE runs arithmetic on scalars in the module's host program, so an index or a
+/// branch predicate computed as a scalar needs no dispatch and no read-back; computed as a
+/// `tensor<i32>`, it would be a dispatch whose result the host waits for between two queue
+/// submissions (docs/BENCHMARKS.md, twenty-fifth pass).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Scalar {
+    /// SSA number, unique within its function.
+    pub id: usize,
+    /// [`ElemType::I32`] or [`ElemType::I1`].
+    pub elem: ElemType,
+}
+
+impl fmt::Display for Scalar {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "%{}", self.id)
+    }
+}

@@ -13,7 +13,7 @@ use kvsnap_contract::{LayerKind, ModelConfig};
 
 use super::manifest::{RingGeometry, WeightLayout, TABLE_LANES};
 use super::GraphOptions;
-use crate::emit::{Cmp, DotDims, ElemType, FuncBuilder, Reduction, Region, Value};
+use crate::emit::{Cmp, DotDims, ElemType, FuncBuilder, Reduction, Region, Scalar, Value};
 
 /// Mask value of invisible attention scores: finite, so that a padding row that sees no key gets
 /// a uniform (finite) softmax instead of NaN, and `exp(MASKED - max)` is exactly 0 for a row
@@ -117,8 +117,11 @@ struct RopeTables {
 /// Per-chunk values shared by all layers: positions, masks and RoPE tables.
 pub(super) struct Chunk {
     pub c: usize,
-    pub pos0: Value,  // [] i32
-    pub valid: Value, // [] i32
+    /// `pos0` and `valid` by value: what indices and branch predicates derive from.
+    pos0_host: Scalar,
+    valid_host: Scalar,
+    /// Where the global layers write: `pos0`, from the host scalar.
+    global_start: Value,
     rope_local: RopeTables,
     rope_global: RopeTables,
     /// Row at which the chunk is written into the sliding layers' buffers: `pos0 % modulus`.
@@ -360,8 +363,8 @@ impl<'a> Forward<'a> {
     pub fn chunk(
         &mut self,
         c: usize,
-        pos0: Value,
-        valid: Value,
+        (pos0, valid): (Value, Value),
+        (pos0_host, valid_host): (Scalar, Scalar),
         positions: &Value,
         ring: RingGeometry,
     ) -> (Chunk, Value) {
@@ -376,8 +379,9 @@ impl<'a> Forward<'a> {
         let row_valid = self.b.compare(Cmp::Lt, &iota_c, &valid_c);
 
         // Sliding rows: write p + 1 (0 for padding) at pos0 % modulus, then read positions.
-        let modulus = self.i32(ring.modulus as i32, &[]);
-        let ring_start = self.b.remainder(&pos0, &modulus);
+        let modulus = self.b.scalar_i32(ring.modulus as i32);
+        let ring_start = self.b.scalar_rem(&pos0_host, &modulus);
+        let ring_start = self.b.tensor_of(&ring_start);
         let one = self.i32(1, &[c]);
         let stored = self.b.add(&qpos, &one);
         let empty = self.i32(0, &[c]);
@@ -398,10 +402,12 @@ impl<'a> Forward<'a> {
         let rope_local = self.rope_tables(&qpos, cfg.rope_theta_local, 1.0);
         let rope_global =
             self.rope_tables(&qpos, cfg.rope_theta_global, cfg.rope_linear_factor_global);
+        let global_start = self.b.tensor_of(&pos0_host);
         let chunk = Chunk {
             c,
-            pos0,
-            valid,
+            pos0_host,
+            valid_host,
+            global_start,
             rope_local,
             rope_global,
             ring_start,
@@ -616,7 +622,7 @@ impl<'a> Forward<'a> {
                 (k_buf, v_buf, o)
             }
             LayerKind::Global => {
-                let (k_buf, v_buf) = self.write_rows(&k, &v, k_buf, v_buf, &ch.pos0);
+                let (k_buf, v_buf) = self.write_rows(&k, &v, k_buf, v_buf, &ch.global_start);
                 let spans = match self.span {
                     Some(span) => vec![span],
                     None if self.opts.branches_for(c) => global_spans(cfg.context_capacity, c),
@@ -760,10 +766,11 @@ impl<'a> Forward<'a> {
         if spans.len() == 1 {
             return attend_span(self);
         }
-        let c = self.i32(ch.c as i32, &[]);
-        let end = self.b.add(&ch.pos0, &c);
-        let limit = self.i32(span as i32, &[]);
-        let fits = self.b.compare(Cmp::Le, &end, &limit);
+        let c = self.b.scalar_i32(ch.c as i32);
+        let end = self.b.scalar_add(&ch.pos0_host, &c);
+        let limit = self.b.scalar_i32(span as i32);
+        let fits = self.b.scalar_compare(Cmp::Le, &end, &limit);
+        let fits = self.b.tensor_of(&fits);
         let open = self.b.open_region();
         let o = attend_span(self);
         let then = self.b.close_region(open, &[&o]);
@@ -774,14 +781,14 @@ impl<'a> Forward<'a> {
         out.pop().expect("one result")
     }
 
-    /// The head as the `head` argument `flag` (`[]` i32) asks: 1 [`Forward::head`]; 0
+    /// The head as the `head` argument `flag` asks: 1 [`Forward::head`]; 0
     /// `next` 0 and zero logits; 2, with a `screen`, [`Forward::screen`]'s `next` and zero
     /// logits. Only the taken branch runs. Where the chunk does not branch
     /// ([`GraphOptions::branches_for`]), 0 runs the head too; the screen's choice is a branch
     /// in every chunk (its one predicate costs far less than the f32 head it skips).
     pub fn head_if(
         &mut self,
-        flag: &Value,
+        flag: &Scalar,
         ch: &Chunk,
         x: &Value,
         norm: &Value,
@@ -791,8 +798,9 @@ impl<'a> Forward<'a> {
         let Some(screen) = screen else {
             return self.head_or_none(flag, ch, x, norm, embed);
         };
-        let two = self.i32(2, &[]);
-        let pred = self.b.compare(Cmp::Eq, flag, &two);
+        let two = self.b.scalar_i32(2);
+        let pred = self.b.scalar_compare(Cmp::Eq, flag, &two);
+        let pred = self.b.tensor_of(&pred);
         let open = self.b.open_region();
         let h = self.final_norm(ch, x, norm);
         let next = self.screen(screen, embed, &h);
@@ -812,12 +820,12 @@ impl<'a> Forward<'a> {
         (next, logits)
     }
 
-    /// [`Forward::head`] where `flag` (`[]` i32) is nonzero, else `next` 0 and zero logits;
+    /// [`Forward::head`] where `flag` is nonzero, else `next` 0 and zero logits;
     /// only the taken branch runs. Where the chunk does not branch
     /// ([`GraphOptions::branches_for`]), the head, whatever `flag`.
     fn head_or_none(
         &mut self,
-        flag: &Value,
+        flag: &Scalar,
         ch: &Chunk,
         x: &Value,
         norm: &Value,
@@ -826,8 +834,9 @@ impl<'a> Forward<'a> {
         if !self.opts.branches_for(ch.c) {
             return self.head(ch, x, norm, embed);
         }
-        let zero = self.i32(0, &[]);
-        let pred = self.b.compare(Cmp::Ne, flag, &zero);
+        let zero = self.b.scalar_i32(0);
+        let pred = self.b.scalar_compare(Cmp::Ne, flag, &zero);
+        let pred = self.b.tensor_of(&pred);
         let open = self.b.open_region();
         let (next, logits) = self.head(ch, x, norm, embed);
         let then = self.b.close_region(open, &[&next, &logits]);
@@ -845,8 +854,9 @@ impl<'a> Forward<'a> {
     fn final_norm(&mut self, ch: &Chunk, x: &Value, norm: &Value) -> Value {
         let hidden = self.cfg.hidden_size;
         let zero = self.i32(0, &[]);
-        let one = self.i32(1, &[]);
-        let last = self.b.sub(&ch.valid, &one);
+        let one = self.b.scalar_i32(1);
+        let last = self.b.scalar_sub(&ch.valid_host, &one);
+        let last = self.b.tensor_of(&last);
         let h = self.b.dynamic_slice(x, &[&last, &zero], &[1, hidden]);
         let h = self.rms_norm(&h, norm);
         self.b.reshape(&h, &[hidden])

@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 /// Format name written into every manifest.
 pub const MANIFEST_FORMAT: &str = "kvsnap-iree-graphs";
 /// Version of the manifest layout and of the entry-point conventions it describes.
-pub const MANIFEST_VERSION: u32 = 8;
+pub const MANIFEST_VERSION: u32 = 9;
 
 /// Element type of an argument or result.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -19,6 +19,12 @@ pub enum DType {
     I32,
     /// 8-bit signed integer (the screened head's int8 table).
     I8,
+    /// A 32-bit signed integer passed by value, not as a tensor (`dims` empty): `head`,
+    /// `pos0_host` and `valid_host`. The module's host program computes the KV rows written,
+    /// the slice read and the branches taken from it, so a call makes one queue submission and
+    /// reads nothing back before its end.
+    #[serde(rename = "host_i32")]
+    HostI32,
 }
 
 /// What an argument or result is for.
@@ -33,12 +39,17 @@ pub enum Role {
     Pos0,
     /// `valid: [] i32` number of real rows, `1..=C`; rows `valid..C` are padding.
     Valid,
-    /// `head: [] i32`: 1 computes the head (`next`, `logits`); 0 skips it and returns `next`
+    /// `head: i32` (by value): 1 computes the head (`next`, `logits`); 0 skips it and returns `next`
     /// 0 and zero logits (a prefill's chunks before its last need no head); 2, in a module
     /// with a screened head ([`Role::Screen`] arguments), computes `next` alone by the
     /// screen, with zero logits, and `next` -1 where the screen cannot settle it (the caller
     /// then runs the chunk again with 1).
     Head,
+    /// `pos0_host: i32` (by value): `pos0` again, for the indices and branches the module's
+    /// host program computes ([`DType::HostI32`]).
+    Pos0Host,
+    /// `valid_host: i32` (by value): `valid` again, likewise.
+    ValidHost,
     /// A model weight; `name` is its HF tensor name, or for projections stacked into one
     /// argument a name of no HF tensor, with the HF tensors it holds in
     /// [`TensorSpec::parts`]. Vectors (norms) in the HF layout of `model.safetensors`,

@@ -6,11 +6,20 @@
 //! For each chunk size `C` in the module's chunk set:
 //!
 //! ```text
-//! chunk_ids_c{C}(ids: tensor<Cxi32>, pos0: tensor<i32>, valid: tensor<i32>, head: tensor<i32>,
-//!                weights..., kv...) -> (next: tensor<i32>, logits: tensor<{vocab}xf32>, kv...)
-//! chunk_emb_c{C}(emb: tensor<Cx{hidden}xf32>, pos0, valid, head, weights..., kv...) -> (same)
+//! chunk_ids_c{C}(ids: tensor<Cxi32>, pos0: tensor<i32>, valid: tensor<i32>, head: i32,
+//!                pos0_host: i32, valid_host: i32, weights..., kv...)
+//!     -> (next: tensor<i32>, logits: tensor<{vocab}xf32>, kv...)
+//! chunk_emb_c{C}(emb: tensor<Cx{hidden}xf32>, pos0, valid, head, pos0_host, valid_host,
+//!                weights..., kv...) -> (same)
 //! ```
 //!
+//! - `head`, `pos0_host` and `valid_host` are integers passed by value ([`DType::HostI32`]),
+//!   the last two the same values as the tensors `pos0` and `valid`. The module's host program
+//!   computes the rows a call writes, the row its head reads and the branches it takes from
+//!   the integers, the device the positions, masks and RoPE tables from the tensors: a call
+//!   is one queue submission, with nothing read back before its end. (IREE 3.13 cannot
+//!   schedule the dispatch that would make the tensors from the integers where a branch reads
+//!   them, hence both.)
 //! - Rows `0..valid` of the chunk are positions `pos0..pos0 + valid`; rows `valid..C` are
 //!   padding and change nothing (`1 <= valid <= C`, `pos0 + C <= capacity`).
 //! - `emb` rows are raw embedding rows; the graph multiplies them by `sqrt(hidden)` (rounded to
@@ -359,11 +368,16 @@ pub fn screen_module(cfg: &ModelConfig) -> String {
     module.text()
 }
 
+/// The tensor type of a tensor argument.
+///
+/// # Panics
+/// For a [`DType::HostI32`] argument, which is no tensor.
 fn arg_type(spec: &TensorSpec) -> TensorType {
     match spec.dtype {
         DType::F32 => TensorType::f32(&spec.dims),
         DType::I32 => TensorType::i32(&spec.dims),
         DType::I8 => TensorType::new(&spec.dims, ElemType::I8),
+        DType::HostI32 => panic!("arg_type: `{}` is passed by value", spec.name),
     }
 }
 
@@ -397,7 +411,9 @@ fn entry_point(
         first,
         spec("pos0", Role::Pos0, &[], DType::I32),
         spec("valid", Role::Valid, &[], DType::I32),
-        spec("head", Role::Head, &[], DType::I32),
+        spec("head", Role::Head, &[], DType::HostI32),
+        spec("pos0_host", Role::Pos0Host, &[], DType::HostI32),
+        spec("valid_host", Role::ValidHost, &[], DType::HostI32),
     ];
     args.extend(weight_specs(cfg, opts.table_layout(), opts.layout));
     if opts.screen {
@@ -416,12 +432,12 @@ fn entry_point(
         None => entry_name(input, c),
     };
     let mut b = FuncBuilder::new(&name);
-    let values: Vec<Value> = args.iter().map(|a| b.arg(arg_type(a))).collect();
+    let chunk_input = b.arg(arg_type(&args[0]));
+    let pos0 = b.arg(arg_type(&args[1]));
+    let valid = b.arg(arg_type(&args[2]));
+    let [head, pos0_host, valid_host] = [(); 3].map(|()| b.scalar_arg());
+    let values: Vec<Value> = args[6..].iter().map(|a| b.arg(arg_type(a))).collect();
     let mut it = values.into_iter();
-    let chunk_input = it.next().expect("chunk input");
-    let pos0 = it.next().expect("pos0");
-    let valid = it.next().expect("valid");
-    let head = it.next().expect("head");
     let embed = it.next().expect("embed_tokens");
     let layers: Vec<LayerWeights> = (0..cfg.num_layers())
         .map(|_| LayerWeights::from_args(&mut it))
@@ -437,7 +453,7 @@ fn entry_point(
     assert_eq!(kv_in.len(), 2 * cfg.num_layers(), "one K and V per layer");
 
     let mut f = Forward { b, cfg, opts, span };
-    let (ch, positions) = f.chunk(c, pos0, valid, &positions, ring);
+    let (ch, positions) = f.chunk(c, (pos0, valid), (pos0_host, valid_host), &positions, ring);
     let rows = match input {
         Input::Ids => f.gather(&embed, &chunk_input),
         Input::Embeddings => chunk_input,

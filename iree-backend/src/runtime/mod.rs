@@ -1,7 +1,7 @@
 //! A thin safe layer over IREE's C runtime (the `eerie-sys` bindings), mirroring IREE's own
 //! layering: [`Instance`] (VM instance + driver registry) -> [`Device`] (a HAL device and its
 //! allocator) -> [`Session`] (one compiled module in a VM context) -> [`Session::call`] on
-//! [`BufferView`]s.
+//! [`BufferView`]s (and `i32`s by value, [`Session::call_args`]).
 //!
 //! Every `_create`/`_release` pair is RAII; every `iree_status_t` becomes
 //! [`kvsnap_contract::Error::Backend`] with `backend` `iree-cpu` or `iree-vulkan` (`iree-runtime`
@@ -27,4 +27,4 @@ pub(crate) use buffer::as_bytes;
 pub use buffer::{BufferView, ElementType, Transfer, HOST_IMPORT_ALIGNMENT};
 pub use device::{AllocatorStats, Device, DeviceKind, ImportMode, ImportStats};
 pub use instance::Instance;
-pub use session::Session;
+pub use session::{Arg, Session};

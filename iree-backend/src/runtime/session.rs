@@ -12,6 +12,16 @@ use super::device::Device;
 use super::ffi::{self, sys};
 use super::status::{backend_error, check, consume_to_string};
 
+/// One argument of [`Session::call_args`]: a buffer view, or an `i32` passed by value (a
+/// function argument of MLIR type `i32`, which the module's host program reads directly).
+#[derive(Clone, Copy, Debug)]
+pub enum Arg<'a> {
+    /// A tensor argument.
+    View(&'a BufferView),
+    /// A scalar argument.
+    I32(i32),
+}
+
 /// A loaded module ready to call.
 ///
 /// Thread safety: an IREE VM context must not run two invocations at once, so a `Session` is `Send`
@@ -191,19 +201,28 @@ impl Session {
     /// from another device, and anything IREE rejects (argument count, shapes, element types,
     /// execution failures) with IREE's status text.
     pub fn call(&self, function: &str, inputs: &[&BufferView]) -> Result<Vec<BufferView>> {
+        let args: Vec<Arg> = inputs.iter().map(|&v| Arg::View(v)).collect();
+        self.call_args(function, &args)
+    }
+
+    /// [`Session::call`] with scalar arguments among the buffer views: each [`Arg::I32`] goes to
+    /// a function argument of type `i32` (IREE rejects it for a tensor argument, and a buffer
+    /// view for an `i32` one, naming the argument).
+    pub fn call_args(&self, function: &str, inputs: &[Arg]) -> Result<Vec<BufferView>> {
         let backend = self.device.backend();
         let op = || format!("call {}.{function}", self.module_name);
         let resolved = self.resolve(function)?;
-        if let Some(i) = inputs
-            .iter()
-            .position(|b| !b.device().same_device(&self.device))
-        {
+        let foreign = inputs.iter().enumerate().find_map(|(i, a)| match a {
+            Arg::View(b) if !b.device().same_device(&self.device) => Some((i, b)),
+            _ => None,
+        });
+        if let Some((i, view)) = foreign {
             return Err(backend_error(
                 backend,
                 op(),
                 format!(
                     "input {i} lives on another device ({}), not on {}",
-                    inputs[i].device().name(),
+                    view.device().name(),
                     self.device.name()
                 ),
             ));
@@ -211,16 +230,26 @@ impl Session {
 
         let alloc = ffi::system_allocator();
         let input_list = VmList::new(inputs.len(), backend)?;
-        for view in inputs {
-            // SAFETY: the view is live; retain_ref adds a reference that push_ref_move hands to the
-            // list (or that we release if the push fails).
-            let status = unsafe {
-                let mut r = sys::iree_hal_buffer_view_retain_ref(view.raw());
-                let status = sys::iree_vm_list_push_ref_move(input_list.0, &mut r);
-                if !status.is_null() {
-                    sys::iree_vm_ref_release(&mut r);
+        for arg in inputs {
+            let status = match arg {
+                // SAFETY: the view is live; retain_ref adds a reference that push_ref_move hands
+                // to the list (or that we release if the push fails).
+                Arg::View(view) => unsafe {
+                    let mut r = sys::iree_hal_buffer_view_retain_ref(view.raw());
+                    let status = sys::iree_vm_list_push_ref_move(input_list.0, &mut r);
+                    if !status.is_null() {
+                        sys::iree_vm_ref_release(&mut r);
+                    }
+                    status
+                },
+                Arg::I32(x) => {
+                    let value = sys::iree_vm_value_t {
+                        type_: sys::iree_vm_value_type_e_IREE_VM_VALUE_TYPE_I32 as _,
+                        __bindgen_anon_1: sys::iree_vm_value_t__bindgen_ty_1 { i32_: *x },
+                    };
+                    // SAFETY: the list is live; the value is copied into it.
+                    unsafe { sys::iree_vm_list_push_value(input_list.0, &value) }
                 }
-                status
             };
             check(backend, || format!("{}: pass inputs", op()), status)?;
         }
