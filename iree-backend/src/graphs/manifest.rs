@@ -21,8 +21,8 @@ pub enum DType {
     I8,
     /// A 32-bit signed integer passed by value, not as a tensor (`dims` empty): `head`,
     /// `pos0_host` and `valid_host`. The module's host program computes the KV rows written,
-    /// the slice read and the branches taken from it, so a call makes one queue submission and
-    /// reads nothing back before its end.
+    /// the slice read and the branches taken from it, so a call reads nothing back to the host
+    /// before its end.
     #[serde(rename = "host_i32")]
     HostI32,
 }

@@ -17,7 +17,7 @@
 //!   the last two the same values as the tensors `pos0` and `valid`. The module's host program
 //!   computes the rows a call writes, the row its head reads and the branches it takes from
 //!   the integers, the device the positions, masks and RoPE tables from the tensors: a call
-//!   is one queue submission, with nothing read back before its end. (IREE 3.13 cannot
+//!   reads nothing back to the host before its end. (IREE 3.13 cannot
 //!   schedule the dispatch that would make the tensors from the integers where a branch reads
 //!   them, hence both.)
 //! - Rows `0..valid` of the chunk are positions `pos0..pos0 + valid`; rows `valid..C` are
