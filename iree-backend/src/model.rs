@@ -18,7 +18,9 @@ use kvsnap_reference::kernels::gather_rows;
 use kvsnap_reference::{Tensor, Weights};
 
 use crate::compile::{CompileProgress, Compiler, Target};
-use crate::graphs::{self, DType, Input, Manifest, Role, DEFAULT_CHUNKS};
+use crate::graphs::{
+    self, DType, Input, Manifest, Role, DEFAULT_CHUNKS, HEAD_FULL, HEAD_NONE, HEAD_SCREEN,
+};
 pub use crate::kv::IreeKv;
 use crate::kv::KvPool;
 use crate::resident::{self, Lease};
@@ -255,11 +257,6 @@ fn import_screen(
 /// Panels (rows, in `Rows`) copied per slice when assembling a weight (2048 panels: 84 MB of a
 /// 640-wide matrix).
 const PACK_SLICE_PANELS: usize = 2048;
-
-/// The `head` argument ([`graphs::Role::Head`]): no head, the full head, the screened token.
-const HEAD_NONE: i32 = 0;
-const HEAD_FULL: i32 = 1;
-const HEAD_SCREEN: i32 = 2;
 
 /// HF name of the embedding table (also the tied head).
 const EMBED_TOKENS: &str = "model.embed_tokens.weight";
@@ -561,19 +558,6 @@ impl IreeModel {
                     BufferView::from_f32(&self.device, &[c, h], &part)?
                 }
             };
-            // The entry point of the shortest span that holds the call.
-            let end = kv.len + c;
-            let entry = self.manifest.entry_index_for(role, c, end).ok_or_else(|| {
-                let status = format!("no {role:?} entry point for {c} rows ending at {end}");
-                self.backend_error("choose entry point", &status)
-            })?;
-            let name = self.manifest.entry_points[entry].name.as_str();
-            let calls = &self.entry_calls[entry];
-            let pos0 = kv.len as i32;
-            let pos0_view = BufferView::from_i32(&self.device, &[], &[pos0])?;
-            // The call writes `c` rows at the state's end, padding included.
-            kv.will_write(c);
-            let valid_view = BufferView::from_i32(&self.device, &[], &[valid as i32])?;
             // Only the last chunk's next token and logits are returned: the others skip the head.
             // Without logits the screened head finds the token alone, else the full head.
             let head = match (index + 1 == chunks, want) {
@@ -581,19 +565,27 @@ impl IreeModel {
                 (true, Logits::Skip) if self.screen => HEAD_SCREEN,
                 (true, _) => HEAD_FULL,
             };
+            // The entry point of the shortest span that holds the call and computes that head.
+            let end = kv.len + c;
+            let entry = self.entry_for(role, c, end, head)?;
+            let name = self.manifest.entry_points[entry].name.as_str();
+            let pos0 = kv.len as i32;
+            let pos0_view = BufferView::from_i32(&self.device, &[], &[pos0])?;
+            // The call writes `c` rows at the state's end, padding included.
+            kv.will_write(c);
+            let valid_view = BufferView::from_i32(&self.device, &[], &[valid as i32])?;
             let rows = ChunkRows {
                 input: &first,
                 pos0: (&pos0_view, pos0),
                 valid: (&valid_view, valid as i32),
             };
-            let mut outs = self.call(&session, name, &rows, head, kv)?;
-            calls.fetch_add(1, Ordering::Relaxed);
+            let mut outs = self.call(&session, entry, &rows, head, kv)?;
             if head == HEAD_SCREEN && outs[0].to_i32_vec()?[0] < 0 {
                 // Unsettled: the same chunk again (it writes the same K/V rows at the same
                 // positions, and reads what the first call read) with the full head.
                 self.screen_fallbacks.fetch_add(1, Ordering::Relaxed);
-                outs = self.call(&session, name, &rows, HEAD_FULL, kv)?;
-                calls.fetch_add(1, Ordering::Relaxed);
+                let full = self.entry_for(role, c, end, HEAD_FULL)?;
+                outs = self.call(&session, full, &rows, HEAD_FULL, kv)?;
             }
             if outs.len() != 2 + kv.bufs.len() {
                 return Err(self.backend_error(
@@ -632,16 +624,31 @@ impl IreeModel {
         })
     }
 
-    /// Calls entry point `name` with the chunk's `rows`, the `head` flag, the weights and
+    /// The index of the entry point for a chunk of `c` rows of `role` ending at row `end` with
+    /// the `head` argument `head` ([`graphs::Manifest::entry_for`]).
+    fn entry_for(&self, role: Role, c: usize, end: usize, head: i32) -> Result<usize> {
+        self.manifest
+            .entry_index_for(role, c, end, head)
+            .ok_or_else(|| {
+                let status =
+                    format!("no {role:?} entry point for {c} rows ending at {end}, head {head}");
+                self.backend_error("choose entry point", &status)
+            })
+    }
+
+    /// Calls entry point `entry` (its index in the manifest, counted in
+    /// [`IreeModel::entry_calls`]) with the chunk's `rows`, the `head` flag, the weights and
     /// `kv`'s buffers.
     fn call(
         &self,
         session: &crate::runtime::Session,
-        name: &str,
+        entry: usize,
         rows: &ChunkRows,
         head: i32,
         kv: &IreeKv,
     ) -> Result<Vec<BufferView>> {
+        let name = self.manifest.entry_points[entry].name.as_str();
+        self.entry_calls[entry].fetch_add(1, Ordering::Relaxed);
         let mut args = vec![
             Arg::View(rows.input),
             Arg::View(rows.pos0.0),

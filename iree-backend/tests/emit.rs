@@ -11,8 +11,9 @@ use std::process::Command;
 use kvsnap_contract::{LayerKind, ModelConfig};
 use kvsnap_iree::emit::{Cmp, DotDims, ElemType, FuncBuilder, Module, Reduction, TensorType};
 use kvsnap_iree::graphs::{
-    self, entry_name, span_entry_name, DType, GraphOptions, Input, Role, WeightLayout,
-    DEFAULT_CHUNKS, PROJECTION_LANES, SCREEN_BLOCKS, SCREEN_WEIGHTS, TABLE_LANES,
+    self, entry_name, head_modes, span_entry_name, DType, GraphOptions, HeadMode, Input, Role,
+    WeightLayout, DEFAULT_CHUNKS, HEAD_FULL, HEAD_NONE, HEAD_SCREEN, PROJECTION_LANES,
+    SCREEN_BLOCKS, SCREEN_WEIGHTS, TABLE_LANES,
 };
 use kvsnap_reference::tiny::{config, Preset};
 
@@ -653,9 +654,13 @@ fn graphs_build_for_tiny_and_real_configs_with_the_head_sliced() {
         };
         assert_eq!(g.manifest.chunks_for(primary), DEFAULT_CHUNKS);
         assert_eq!(g.manifest.chunks_for(other), [1, largest]);
+        // With the screened head, every decode step of token ids twice: screened and with
+        // logits, neither branching on the head.
+        let step_variants = head_modes(opts, 1).len();
+        assert_eq!(step_variants, if opts.screen { 2 } else { 1 });
         assert_eq!(
             g.manifest.entry_points.len(),
-            DEFAULT_CHUNKS.len() + 2 + steps.len() + long.len()
+            DEFAULT_CHUNKS.len() + 2 + step_variants * (steps.len() + 1) - 1 + long.len()
         );
         let (kvh, group) = (cfg.num_key_value_heads, cfg.group_size());
         let spanned = steps
@@ -690,12 +695,12 @@ fn graphs_build_for_tiny_and_real_configs_with_the_head_sliced() {
             if sliding < ring.rows {
                 assert!(!body.contains(&scores(ring.rows)), "{name}: the whole ring");
             }
-            // No branch picks a global span; a decode step keeps the screen's only.
+            // No branch picks a global span, nor a decode step's head.
             let ifs = body.matches("stablehlo.if").count();
             let base = function_of(&g.mlir, &entry_name(Input::Ids, c));
             let base_ifs = base.matches("stablehlo.if").count();
             if c == 1 {
-                assert_eq!(ifs, usize::from(opts.screen), "{name}");
+                assert_eq!(ifs, 0, "{name}");
             } else {
                 let globals = cfg
                     .layer_kinds
@@ -708,10 +713,25 @@ fn graphs_build_for_tiny_and_real_configs_with_the_head_sliced() {
                 );
                 assert_eq!((base_ifs - ifs) % globals, 0, "{name}");
             }
-            let chosen = g.manifest.entry_for(Role::Ids, c, span).unwrap();
-            assert_eq!(chosen.name, name);
+            for head in [HEAD_NONE, HEAD_SCREEN, HEAD_FULL] {
+                let chosen = g.manifest.entry_for(Role::Ids, c, span, head).unwrap();
+                // The screened step where logits are not asked for; its `_logits` twin where
+                // they are.
+                if c == 1 && opts.screen && head == HEAD_FULL {
+                    assert_eq!(chosen.name, format!("{name}_logits"));
+                    assert_eq!(chosen.head, HeadMode::Full);
+                    let twin = function_of(&g.mlir, &chosen.name);
+                    assert!(twin.contains(&scores(span)), "{name}_logits: global scores");
+                    assert!(!twin.contains("stablehlo.if"), "{name}_logits");
+                } else {
+                    assert_eq!(chosen.name, name, "head {head}");
+                }
+            }
         }
-        let whole = g.manifest.entry_for(Role::Ids, 1, capacity).unwrap();
+        let whole = g
+            .manifest
+            .entry_for(Role::Ids, 1, capacity, HEAD_SCREEN)
+            .unwrap();
         assert_eq!(whole.name, entry_name(Input::Ids, 1));
         // Every decode step's sliding layers attend over the ring's modulus, not its rows past
         // it (the host folds a chunk's rows there back to `p % modulus`).
@@ -725,14 +745,23 @@ fn graphs_build_for_tiny_and_real_configs_with_the_head_sliced() {
             !body.contains(&step(ring.rows)),
             "the step over the whole ring"
         );
-        let first = g.manifest.entry_for(Role::Ids, 1, 1).unwrap();
+        let first = g.manifest.entry_for(Role::Ids, 1, 1, HEAD_SCREEN).unwrap();
         assert_eq!(first.span, steps.first().copied().unwrap_or(capacity));
-        let first = g.manifest.entry_for(Role::Ids, largest, largest).unwrap();
+        let first = g
+            .manifest
+            .entry_for(Role::Ids, largest, largest, HEAD_NONE)
+            .unwrap();
         assert_eq!(first.span, long.first().copied().unwrap_or(capacity));
         let past = (ring.modulus + 1).min(capacity);
-        let past = g.manifest.entry_for(Role::Ids, largest, past).unwrap();
+        let past = g
+            .manifest
+            .entry_for(Role::Ids, largest, past, HEAD_FULL)
+            .unwrap();
         assert_eq!(past.name, entry_name(Input::Ids, largest));
-        assert_eq!(g.manifest.entry_for(Role::Ids, 1, capacity + 1), None);
+        assert_eq!(
+            g.manifest.entry_for(Role::Ids, 1, capacity + 1, HEAD_FULL),
+            None
+        );
         for &c in &DEFAULT_CHUNKS {
             for input in Input::ALL {
                 let name = entry_name(input, c);
@@ -748,7 +777,14 @@ fn graphs_build_for_tiny_and_real_configs_with_the_head_sliced() {
                 let body = function_of(&g.mlir, &name);
                 let ifs = body.matches("stablehlo.if").count();
                 if c == 1 {
-                    assert_eq!(ifs, usize::from(opts.screen), "{name}");
+                    // The embeddings' step picks its head by a branch; the ids' comes twice.
+                    let branch = opts.screen && input == Input::Embeddings;
+                    assert_eq!(ifs, usize::from(branch), "{name}");
+                    assert_eq!(
+                        e.head == HeadMode::Argument,
+                        !opts.screen || branch,
+                        "{name}"
+                    );
                 } else {
                     assert_eq!(ifs > 0, opts.branches || opts.screen, "{name}");
                 }

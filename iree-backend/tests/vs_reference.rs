@@ -7,7 +7,7 @@ use std::sync::OnceLock;
 
 use kvsnap_contract::{KvModel, Logits, Next, Tolerance};
 use kvsnap_iree::compile::{Compiler, Target};
-use kvsnap_iree::graphs::{Input, Role};
+use kvsnap_iree::graphs::{HeadMode, Input, Role};
 use kvsnap_iree::{IreeModel, IreeOptions};
 use kvsnap_reference::tiny::{write_model, Preset, DEFAULT_SEED};
 use kvsnap_reference::ReferenceModel;
@@ -218,14 +218,15 @@ fn prefill_extend_step_match_the_reference(p: &Pair) {
 /// Decode steps from a short prefix to the capacity: on llvm-cpu each runs the step entry point
 /// of the shortest span that holds it (`GraphOptions::spans`: the global layers over its first
 /// rows, and the sliding layers too while the span is within the ring's modulus), so the steps
-/// cross every span's end; each matches the reference.
+/// cross every span's end; each matches the reference. On llvm-cpu a step with logits runs a
+/// span's `_logits` entry point and one without its screened one: both kinds cross the spans.
 fn steps_through_every_global_span_match_the_reference(p: &Pair) {
     let manifest = p.iree.manifest();
     let capacity = manifest.capacity;
     let mut steps: Vec<_> = manifest
         .entry_points
         .iter()
-        .filter(|e| e.chunk == 1 && e.input == Role::Ids)
+        .filter(|e| e.chunk == 1 && e.input == Role::Ids && e.head != HeadMode::Full)
         .map(|e| e.span)
         .collect();
     steps.sort_unstable();
@@ -237,6 +238,15 @@ fn steps_through_every_global_span_match_the_reference(p: &Pair) {
     assert_eq!(steps, want, "the decode steps' global rows");
     let seq = ids(capacity, 7);
     let (mut s, _) = Lockstep::prefill(&p.iree, &p.reference, "prefill 10", &seq[..10]);
+    // Greedy steps without logits from a snapshot, to row 80: the screened steps' tokens.
+    let mut greedy = s.snapshot();
+    let mut t = seq[10];
+    for i in 10..80 {
+        let got = p.iree.step(&mut greedy.a, t, Logits::Skip).unwrap();
+        let want = p.reference.step(&mut greedy.b, t, Logits::Skip).unwrap();
+        assert_eq!(got.token, want.token, "greedy step to row {}", i + 1);
+        t = got.token;
+    }
     for (i, &t) in seq[10..].iter().enumerate() {
         s.step(&format!("step {} to row {}", i, 11 + i), t);
     }
@@ -244,9 +254,13 @@ fn steps_through_every_global_span_match_the_reference(p: &Pair) {
     if p.iree.backend() == "iree-cpu" {
         let calls: Vec<(&str, u64)> = p.iree.entry_calls();
         for span in [16, 32, 64] {
-            let name = format!("chunk_ids_c1_s{span}");
-            let n = calls.iter().find(|(e, _)| *e == name).map_or(0, |c| c.1);
-            assert!(n > 0, "{name} never ran: {calls:?}");
+            for name in [
+                format!("chunk_ids_c1_s{span}"),
+                format!("chunk_ids_c1_s{span}_logits"),
+            ] {
+                let n = calls.iter().find(|(e, _)| *e == name).map_or(0, |c| c.1);
+                assert!(n > 0, "{name} never ran: {calls:?}");
+            }
         }
     }
 }

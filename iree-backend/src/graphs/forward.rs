@@ -802,14 +802,27 @@ impl<'a> Forward<'a> {
         let pred = self.b.scalar_compare(Cmp::Eq, flag, &two);
         let pred = self.b.tensor_of(&pred);
         let open = self.b.open_region();
-        let h = self.final_norm(ch, x, norm);
-        let next = self.screen(screen, embed, &h);
-        let no_logits = self.f32(0.0, &[self.cfg.vocab_size]);
+        let (next, no_logits) = self.screened(screen, ch, x, norm, embed);
         let then = self.b.close_region(open, &[&next, &no_logits]);
         let open = self.b.open_region();
         let (next, logits) = self.head_or_none(flag, ch, x, norm, embed);
         let otherwise = self.b.close_region(open, &[&next, &logits]);
         self.next_and_logits(&pred, then, otherwise)
+    }
+
+    /// [`Forward::screen`]'s token for the last valid row, and zero logits.
+    pub fn screened(
+        &mut self,
+        screen: &Screen,
+        ch: &Chunk,
+        x: &Value,
+        norm: &Value,
+        embed: &Value,
+    ) -> (Value, Value) {
+        let h = self.final_norm(ch, x, norm);
+        let next = self.screen(screen, embed, &h);
+        let no_logits = self.f32(0.0, &[self.cfg.vocab_size]);
+        (next, no_logits)
     }
 
     /// The `(next, logits)` of a head's `stablehlo.if` on `pred`.

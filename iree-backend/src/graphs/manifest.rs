@@ -68,6 +68,42 @@ pub enum Role {
     Logits,
 }
 
+/// The `head` argument ([`Role::Head`]): no head (`next` 0, zero logits).
+pub const HEAD_NONE: i32 = 0;
+/// The `head` argument: the full head, `next` and the logits.
+pub const HEAD_FULL: i32 = 1;
+/// The `head` argument: the screened token alone (-1 where the screen cannot settle it), zero
+/// logits.
+pub const HEAD_SCREEN: i32 = 2;
+
+/// Which head an entry point computes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum HeadMode {
+    /// The one its `head` argument asks for (a branch, in the chunks that branch).
+    Argument,
+    /// The screened token, whatever `head` says: the decode step of a module with a screened
+    /// head. Without a branch the step's head runs in the same queue submission as its
+    /// layers; a branch splits the call in two, the second waiting on the first (0.4-0.6 ms
+    /// a step on `local-task`, docs/BENCHMARKS.md, twenty-fifth pass).
+    Screen,
+    /// The full head, whatever `head` says: that decode step's variant for logits, and for a
+    /// token the screen could not settle.
+    Full,
+}
+
+impl HeadMode {
+    /// Whether an entry point of this mode answers a call with the `head` argument `flag`
+    /// (a call without a head takes any: it reads neither `next` nor the logits).
+    pub fn serves(self, flag: i32) -> bool {
+        match self {
+            HeadMode::Argument => true,
+            HeadMode::Screen => flag != HEAD_FULL,
+            HeadMode::Full => flag != HEAD_SCREEN,
+        }
+    }
+}
+
 /// One argument or result of an entry point.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TensorSpec {
@@ -282,7 +318,8 @@ pub enum KvLayout {
 /// One entry point: `chunk_ids_c{C}` or `chunk_emb_c{C}`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct EntryPoint {
-    /// Exported function name, `chunk_{ids,emb}_c{C}`, or `chunk_ids_c{C}_s{span}`.
+    /// Exported function name, `chunk_{ids,emb}_c{C}`, or `chunk_ids_c{C}_s{span}`; a
+    /// [`HeadMode::Full`] step's ends in `_logits`.
     pub name: String,
     /// Rows per call (`C`); `C = 1` is the decode step.
     pub chunk: usize,
@@ -293,8 +330,10 @@ pub struct EntryPoint {
     /// over whose first rows the global layers attend, and the sliding layers too where the
     /// ring allows ([`RingGeometry::rows_seen`]).
     pub span: usize,
-    /// Arguments in call order: chunk input, `pos0`, `valid`, `head`, weights, the screened
-    /// head's tensors (if any), KV buffers.
+    /// Which head it computes.
+    pub head: HeadMode,
+    /// Arguments in call order: chunk input, `pos0`, `valid`, `head`, `pos0_host`,
+    /// `valid_host`, weights, the screened head's tensors (if any), KV buffers.
     pub args: Vec<TensorSpec>,
     /// Results in order: `next`, `logits`, KV buffers (same order as the KV arguments).
     pub results: Vec<TensorSpec>,
@@ -346,19 +385,34 @@ impl Manifest {
     }
 
     /// The entry point for a chunk of `chunk` rows of `input` (`Ids` or `Embeddings`) ending
-    /// at row `end`: of those that may attend that far, the one with the shortest span.
-    pub fn entry_for(&self, input: Role, chunk: usize, end: usize) -> Option<&EntryPoint> {
-        self.entry_index_for(input, chunk, end)
+    /// at row `end` with the `head` argument `head`: of those that may attend that far and
+    /// compute that head ([`HeadMode::serves`]), the one with the shortest span.
+    pub fn entry_for(
+        &self,
+        input: Role,
+        chunk: usize,
+        end: usize,
+        head: i32,
+    ) -> Option<&EntryPoint> {
+        self.entry_index_for(input, chunk, end, head)
             .map(|i| &self.entry_points[i])
     }
 
     /// The index in [`Manifest::entry_points`] of [`Manifest::entry_for`]'s entry point.
-    pub fn entry_index_for(&self, input: Role, chunk: usize, end: usize) -> Option<usize> {
+    pub fn entry_index_for(
+        &self,
+        input: Role,
+        chunk: usize,
+        end: usize,
+        head: i32,
+    ) -> Option<usize> {
         self.entry_points
             .iter()
             .enumerate()
             .filter(|(_, e)| e.input == input && e.chunk == chunk && e.span >= end)
-            .min_by_key(|(_, e)| e.span)
+            .filter(|(_, e)| e.head.serves(head))
+            // The shortest span; at one span, the mode that computes least.
+            .min_by_key(|(_, e)| (e.span, e.head))
             .map(|(i, _)| i)
     }
 }

@@ -56,9 +56,9 @@ use forward::{Forward, LayerWeights, Screen};
 pub use forward::{SCREEN_BLOCK, SCREEN_BLOCKS};
 pub use manifest::{
     hf_weight_specs, kv_layouts, kv_specs, pack_panels, screen_specs, stack_offsets, weight_specs,
-    DType, EntryPoint, KvLayout, Manifest, RingGeometry, Role, TensorSpec, WeightLayout,
-    LAYER_WEIGHTS, MANIFEST_FORMAT, MANIFEST_VERSION, PROJECTION_LANES, SCREEN_WEIGHTS,
-    SLIDING_POSITIONS, TABLE_LANES,
+    DType, EntryPoint, HeadMode, KvLayout, Manifest, RingGeometry, Role, TensorSpec, WeightLayout,
+    HEAD_FULL, HEAD_NONE, HEAD_SCREEN, LAYER_WEIGHTS, MANIFEST_FORMAT, MANIFEST_VERSION,
+    PROJECTION_LANES, SCREEN_WEIGHTS, SLIDING_POSITIONS, TABLE_LANES,
 };
 pub use tuning::llvm_cpu_tuning_spec;
 
@@ -104,6 +104,18 @@ pub fn span_entry_name(chunk: usize, span: usize) -> String {
     format!("{}_s{span}", entry_name(Input::Ids, chunk))
 }
 
+/// The head modes of the token-id entry points for chunks of `c` rows: the decode step of a
+/// module with a screened head comes as a [`HeadMode::Screen`] entry point and a
+/// [`HeadMode::Full`] one (for logits) at each span, without a branch; every other chunk
+/// computes the head its `head` argument asks for.
+pub fn head_modes(opts: GraphOptions, c: usize) -> Vec<HeadMode> {
+    if opts.screen && c == 1 {
+        vec![HeadMode::Screen, HeadMode::Full]
+    } else {
+        vec![HeadMode::Argument]
+    }
+}
+
 /// The target-dependent choices of a module.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct GraphOptions {
@@ -112,10 +124,11 @@ pub struct GraphOptions {
     /// Skip work with `stablehlo.if` in chunks of more than one row ([`GraphOptions::branches_for`]):
     /// the head where the `head` argument is 0, and global attention beyond the live span
     /// (`Forward::attend_live`). Without branches the head always runs (`head` is ignored) and
-    /// global layers attend over the whole capacity. Each branch reads its predicate back to
-    /// the host, a queue round trip: on Vulkan it cost more than the work it skipped (the H200's
-    /// decode step took 63 ms with branches instead of 42), on llvm-cpu it pays off only where
-    /// the skipped work is large.
+    /// global layers attend over the whole capacity. Each branch splits a call into queue
+    /// submissions that wait on each other (its predicate comes from the host program; until
+    /// the twenty-fifth pass it was read back from the device, and on Vulkan that cost more
+    /// than the work it skipped: the H200's decode step took 63 ms with branches instead of
+    /// 42); on llvm-cpu it pays off where the skipped work is large.
     pub branches: bool,
     /// Compute the greedy token alone (the `head` argument 2) by a screen of the tied head
     /// ([`Role::Screen`] arguments, `kvsnap_reference::head`): an int8 copy of the table
@@ -262,14 +275,22 @@ pub fn build(cfg: &ModelConfig, chunks: &[usize], opts: GraphOptions) -> Graphs 
             if input != opts.input && c != 1 && c != largest {
                 continue;
             }
-            let (text, entry) = entry_point(cfg, input, c, ring, opts, None);
-            module.push(text);
-            entry_points.push(entry);
+            let heads = match input {
+                Input::Ids => head_modes(opts, c),
+                Input::Embeddings => vec![HeadMode::Argument],
+            };
+            for head in heads {
+                let (text, entry) = entry_point(cfg, input, c, ring, opts, None, head);
+                module.push(text);
+                entry_points.push(entry);
+            }
         }
         for span in opts.spans(c, cfg.context_capacity, ring) {
-            let (text, entry) = entry_point(cfg, Input::Ids, c, ring, opts, Some(span));
-            module.push(text);
-            entry_points.push(entry);
+            for head in head_modes(opts, c) {
+                let (text, entry) = entry_point(cfg, Input::Ids, c, ring, opts, Some(span), head);
+                module.push(text);
+                entry_points.push(entry);
+            }
         }
     }
     let attention = attention_products(cfg, &chunks, ring, opts);
@@ -402,6 +423,7 @@ fn entry_point(
     ring: RingGeometry,
     opts: GraphOptions,
     span: Option<usize>,
+    head_mode: HeadMode,
 ) -> (String, EntryPoint) {
     let first = match input {
         Input::Ids => spec("ids", Role::Ids, &[c], DType::I32),
@@ -427,10 +449,13 @@ fn entry_point(
     ];
     results.extend(kv);
 
-    let name = match span {
+    let mut name = match span {
         Some(span) => span_entry_name(c, span),
         None => entry_name(input, c),
     };
+    if head_mode == HeadMode::Full {
+        name.push_str("_logits");
+    }
     let mut b = FuncBuilder::new(&name);
     let chunk_input = b.arg(arg_type(&args[0]));
     let pos0 = b.arg(arg_type(&args[1]));
@@ -465,7 +490,11 @@ fn entry_point(
         x = nx;
         kv_out.extend([k, v]);
     }
-    let (next, logits) = f.head_if(&head, &ch, &x, &norm, &embed, screen.as_ref());
+    let (next, logits) = match (head_mode, &screen) {
+        (HeadMode::Screen, Some(screen)) => f.screened(screen, &ch, &x, &norm, &embed),
+        (HeadMode::Full, _) => f.head(&ch, &x, &norm, &embed),
+        _ => f.head_if(&head, &ch, &x, &norm, &embed, screen.as_ref()),
+    };
     let mut outs = vec![&next, &logits];
     outs.extend(kv_out.iter());
     outs.push(&positions);
@@ -477,6 +506,7 @@ fn entry_point(
             chunk: c,
             input: args[0].role,
             span: span.unwrap_or(cfg.context_capacity),
+            head: head_mode,
             args,
             results,
         },
