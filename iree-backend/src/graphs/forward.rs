@@ -355,7 +355,9 @@ impl<'a> Forward<'a> {
 
     // ---- per-chunk values -------------------------------------------------------------------
 
-    /// Positions, masks and RoPE tables of a chunk of `c` rows at `pos0` with `valid` real rows.
+    /// Positions, masks and RoPE tables of a chunk of `c` rows at `pos0` with `valid` real rows,
+    /// given both as `[]` i32 tensors and as host scalars (the same values: the tensors for the
+    /// graph's arithmetic, the scalars for the rows written and every branch).
     ///
     /// `positions` (`[ring.rows]` i32, `p + 1` per row, 0 when empty) is the table of the
     /// positions the sliding layers' rows hold; the chunk's entries are written first (in
@@ -785,7 +787,8 @@ impl<'a> Forward<'a> {
     /// `next` 0 and zero logits; 2, with a `screen`, [`Forward::screen`]'s `next` and zero
     /// logits. Only the taken branch runs. Where the chunk does not branch
     /// ([`GraphOptions::branches_for`]), 0 runs the head too; the screen's choice is a branch
-    /// in every chunk (its one predicate costs far less than the f32 head it skips).
+    /// in every entry point that takes its head from the argument (the token-id decode step
+    /// comes in both heads instead, without it: `graphs::head_modes`).
     pub fn head_if(
         &mut self,
         flag: &Scalar,

@@ -17,9 +17,11 @@
 //!   the last two the same values as the tensors `pos0` and `valid`. The module's host program
 //!   computes the rows a call writes, the row its head reads and the branches it takes from
 //!   the integers, the device the positions, masks and RoPE tables from the tensors: a call
-//!   reads nothing back to the host before its end. (IREE 3.13 cannot
-//!   schedule the dispatch that would make the tensors from the integers where a branch reads
-//!   them, hence both.)
+//!   reads nothing back to the host before its end. (IREE 3.13 cannot schedule the dispatch
+//!   that would make the tensors from the integers where a branch reads them, hence both.)
+//! - A module with the screened head has each token-id decode step twice ([`head_modes`]):
+//!   screened whatever `head` says, and with the full head (`_logits`); the host picks by
+//!   the head it wants ([`Manifest::entry_for`]).
 //! - Rows `0..valid` of the chunk are positions `pos0..pos0 + valid`; rows `valid..C` are
 //!   padding and change nothing (`1 <= valid <= C`, `pos0 + C <= capacity`).
 //! - `emb` rows are raw embedding rows; the graph multiplies them by `sqrt(hidden)` (rounded to

@@ -206,8 +206,9 @@ impl Session {
     }
 
     /// [`Session::call`] with scalar arguments among the buffer views: each [`Arg::I32`] goes to
-    /// a function argument of type `i32` (IREE rejects it for a tensor argument, and a buffer
-    /// view for an `i32` one, naming the argument).
+    /// a function argument of type `i32`. IREE rejects a buffer view for an `i32` argument
+    /// ("variant at index 2 is not a value type") and an `i32` for a tensor one, both as
+    /// `FAILED_PRECONDITION` errors, and the session stays usable.
     pub fn call_args(&self, function: &str, inputs: &[Arg]) -> Result<Vec<BufferView>> {
         let backend = self.device.backend();
         let op = || format!("call {}.{function}", self.module_name);
