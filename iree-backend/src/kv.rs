@@ -114,11 +114,12 @@ impl IreeKv {
     }
 
     /// After a chunk call of `rows` rows (padding included) at the state's end (before its
-    /// length counts them), if it wrote the rings past their modulus: moves each ring's rows past the modulus to the rows their
-    /// positions map to, `p % modulus`, and empties them in the positions table, so that every
-    /// held position is in row `p % modulus` again (what the decode step, which attends over
-    /// the modulus only, relies on: [`crate::graphs::RingGeometry`]). The rows overwritten held
-    /// positions no later query sees (the same argument as for the chunk's own write). Nothing
+    /// length counts them), if it wrote the rings past their modulus: moves each ring's rows
+    /// past the modulus to the rows their positions map to, `p % modulus`, and empties them in
+    /// the positions table, so that every held position is in row `p % modulus` again (what
+    /// the decode step, which attends over the modulus only, relies on:
+    /// [`crate::graphs::RingGeometry`]). The rows overwritten held positions no later query
+    /// sees (the same argument as for the chunk's own write). Nothing
     /// to do for a call that stayed within the modulus.
     pub(crate) fn fold_ring(&mut self, device: &Device, rows: usize) -> Result<()> {
         let ring = self.pool.ring;

@@ -9,6 +9,7 @@ use std::path::PathBuf;
 use std::process::Command;
 
 use kvsnap_contract::{LayerKind, ModelConfig};
+use kvsnap_iree::compile::Compiler;
 use kvsnap_iree::emit::{Cmp, DotDims, ElemType, FuncBuilder, Module, Reduction, TensorType};
 use kvsnap_iree::graphs::{
     self, entry_name, head_modes, span_entry_name, DType, GraphOptions, HeadMode, Input, Role,
@@ -329,19 +330,12 @@ fn shape_errors_name_the_op_and_shapes() {
 
 // ---- compile tests -------------------------------------------------------------------------
 
-/// `iree-compile`: `$KVSNAP_IREE_COMPILE`, the workspace `.venv`, or `PATH`.
+/// `iree-compile` as the crate finds it (`Compiler::discover`: `$KVSNAP_IREE_COMPILE`, the
+/// workspace `.venv`, or `PATH`, checked to be a 3.13 compiler).
 fn iree_compile() -> Option<PathBuf> {
-    let venv = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/iree-compile");
-    std::env::var_os("KVSNAP_IREE_COMPILE")
-        .map(PathBuf::from)
-        .into_iter()
-        .chain([venv, PathBuf::from("iree-compile")])
-        .find(|p| {
-            Command::new(p)
-                .arg("--version")
-                .output()
-                .is_ok_and(|o| o.status.success())
-        })
+    Compiler::discover()
+        .ok()
+        .map(|c| c.executable().to_path_buf())
 }
 
 /// Compiles `mlir` for llvm-cpu; `None` (and a visible SKIPPED line) without a compiler.

@@ -326,12 +326,19 @@ impl FuncBuilder {
         r
     }
 
-    fn arith_i32(&mut self, op: &str, a: &Scalar, b: &Scalar) -> Scalar {
+    /// [`FuncBuilder::arith`] of two i32 host scalars, checked.
+    fn arith_i32(
+        &mut self,
+        op: &str,
+        (a, b): (&Scalar, &Scalar),
+        attrs: &str,
+        elem: ElemType,
+    ) -> Scalar {
         assert!(
             a.elem == ElemType::I32 && b.elem == ElemType::I32,
             "arith.{op}: operands must be i32 scalars"
         );
-        self.arith(op, &[a, b], "", ElemType::I32)
+        self.arith(op, &[a, b], attrs, elem)
     }
 
     /// Emits `arith.constant`: an i32 host scalar.
@@ -346,27 +353,23 @@ impl FuncBuilder {
 
     /// Emits `arith.addi` of two i32 host scalars.
     pub fn scalar_add(&mut self, a: &Scalar, b: &Scalar) -> Scalar {
-        self.arith_i32("addi", a, b)
+        self.arith_i32("addi", (a, b), "", ElemType::I32)
     }
 
     /// Emits `arith.subi` of two i32 host scalars.
     pub fn scalar_sub(&mut self, a: &Scalar, b: &Scalar) -> Scalar {
-        self.arith_i32("subi", a, b)
+        self.arith_i32("subi", (a, b), "", ElemType::I32)
     }
 
     /// Emits `arith.remsi`: the signed remainder of two i32 host scalars (the sign of `a`).
     pub fn scalar_rem(&mut self, a: &Scalar, b: &Scalar) -> Scalar {
-        self.arith_i32("remsi", a, b)
+        self.arith_i32("remsi", (a, b), "", ElemType::I32)
     }
 
     /// Emits `arith.cmpi` (signed): an i1 host scalar.
     pub fn scalar_compare(&mut self, dir: Cmp, a: &Scalar, b: &Scalar) -> Scalar {
-        assert!(
-            a.elem == ElemType::I32 && b.elem == ElemType::I32,
-            "arith.cmpi: operands must be i32 scalars"
-        );
         let attrs = format!(" {{predicate = {} : i64}}", dir.arith_predicate());
-        self.arith("cmpi", &[a, b], &attrs, ElemType::I1)
+        self.arith_i32("cmpi", (a, b), &attrs, ElemType::I1)
     }
 
     /// Emits `tensor.from_elements`: the host scalar `s` as a rank-0 tensor of its type. Where

@@ -47,14 +47,11 @@ pub fn panel_tiles(panels: usize) -> (usize, usize) {
     let fits = |p: usize| {
         panels.is_multiple_of(p) && BALANCED_WORKERS.iter().all(|&w| balanced(panels / p, w))
     };
-    let per_workgroup = if fits(preferred) {
-        preferred
-    } else {
-        (1..=64)
-            .filter(|&p| fits(p))
-            .min_by_key(|&p| p.abs_diff(preferred))
-            .unwrap_or(preferred)
-    };
+    // The preferred tile itself where it fits (distance 0).
+    let per_workgroup = (1..=64)
+        .filter(|&p| fits(p))
+        .min_by_key(|&p| p.abs_diff(preferred))
+        .unwrap_or(preferred);
     let vector = if per_workgroup.is_multiple_of(4) {
         4
     } else {
