@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use kvsnap_contract::{check, Error, KvModel, Logits, ModelConfig, Next, Result};
 use kvsnap_reference::kernels::gather_rows;
-use kvsnap_reference::{Tensor, Weights};
+use kvsnap_reference::{LargeBuffer, Tensor, Weights};
 
 use crate::compile::{CompileProgress, Compiler, Target};
 use crate::graphs::{
@@ -25,8 +25,7 @@ pub use crate::kv::IreeKv;
 use crate::kv::KvPool;
 use crate::resident::{self, Lease};
 use crate::runtime::{
-    as_bytes, AlignedBytes, Arg, BufferView, Device, DeviceKind, ElementType, ImportMode,
-    ImportStats,
+    as_bytes, Arg, BufferView, Device, DeviceKind, ElementType, ImportMode, ImportStats,
 };
 
 /// How to load an [`IreeModel`].
@@ -200,16 +199,16 @@ fn import_weight(
             spec.dims
         )));
     }
-    let bytes = elems * std::mem::size_of::<f32>();
-    let mut out = AlignedBytes::zeroed(bytes).ok_or_else(|| Error::Backend {
+    // On huge pages where the OS offers them: a decode step streams every matrix once.
+    let mut out = LargeBuffer::<f32>::zeroed(elems).map_err(|e| Error::Backend {
         backend: device.backend(),
         op: format!("assemble weight {}", spec.name),
-        status: format!("out of host memory for {bytes} bytes"),
+        status: format!("cannot map {} bytes: {e}", elems * 4),
     })?;
     for ((name, &part_rows), &offset) in parts.iter().zip(&rows).zip(&offsets) {
         let t = file.tensor(name, &[part_rows, cols])?;
         let padded = part_rows.div_ceil(lanes) * lanes;
-        let dst = &mut out.as_mut_f32()[offset * cols..(offset + padded) * cols];
+        let dst = &mut out[offset * cols..(offset + padded) * cols];
         // Copied a slice of rows at a time, each slice's file pages released once copied, so
         // that the load's RSS holds the assembled matrix plus one slice, not two copies.
         let rows_per_slice = PACK_SLICE_PANELS * lanes;
@@ -239,15 +238,18 @@ fn import_screen(
     specs: &[graphs::TensorSpec],
 ) -> Result<(Vec<BufferView>, bool)> {
     let hidden = cfg.hidden_size;
-    let head = kvsnap_reference::head::TiedHead::new(table, hidden);
+    let mapping = |op: &str, e: std::io::Error| Error::Backend {
+        backend: device.backend(),
+        op: op.into(),
+        status: e.to_string(),
+    };
+    let head = kvsnap_reference::head::TiedHead::new(table, hidden)
+        .map_err(|e| mapping("round the head to int8", e))?;
     let _ = table.release_resident_pages();
     let bytes = specs[0].dims.iter().product::<usize>();
-    let mut panels = AlignedBytes::zeroed(bytes).ok_or_else(|| Error::Backend {
-        backend: device.backend(),
-        op: "pack the screened head's int8 table".into(),
-        status: format!("out of host memory for {bytes} bytes"),
-    })?;
-    graphs::pack_panels(head.q(), hidden, graphs::TABLE_LANES, panels.as_mut_i8());
+    let mut panels = LargeBuffer::<i8>::zeroed(bytes)
+        .map_err(|e| mapping("pack the screened head's int8 table", e))?;
+    graphs::pack_panels(head.q(), hidden, graphs::TABLE_LANES, &mut panels);
     let q8 = BufferView::import_host(device, panels, &specs[0].dims, ElementType::I8)?.0;
     let scale = BufferView::from_f32(device, &specs[1].dims, head.scale())?;
     let slack = BufferView::from_f32(device, &specs[2].dims, head.slack())?;

@@ -525,7 +525,7 @@ fn screened_head_matches_the_reference_screen_on_planted_tables() {
     let device = Device::cpu(&instance).unwrap();
     let session = Session::new(&device, &vmfb).unwrap();
     let run = |table: &[f32], h: &[f32]| -> i32 {
-        let head = TiedHead::new(table, hidden);
+        let head = TiedHead::new(table, hidden).unwrap();
         let mut panels = vec![0i8; vocab.div_ceil(TABLE_LANES) * hidden * TABLE_LANES];
         pack_panels(head.q(), hidden, TABLE_LANES, &mut panels);
         let bytes: Vec<u8> = panels.iter().map(|&q| q as u8).collect();
@@ -552,7 +552,10 @@ fn screened_head_matches_the_reference_screen_on_planted_tables() {
     for (case, seed) in (0..6).map(|i| (format!("random state {i}"), 100 + i)) {
         let h = values(hidden, seed);
         let want = full(&base, &h);
-        assert_eq!(TiedHead::new(&base, hidden).argmax(&base, &h), Some(want));
+        assert_eq!(
+            TiedHead::new(&base, hidden).unwrap().argmax(&base, &h),
+            Some(want)
+        );
         assert_eq!(run(&base, &h), want as i32, "{case}");
     }
     // A planted winner at block and table edges, copied once before and once after it.

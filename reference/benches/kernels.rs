@@ -79,7 +79,7 @@ fn bench_head(c: &mut Criterion) {
     g.sample_size(20);
     let (i, o) = (640, 262_144);
     let table = values(o * i, 1);
-    let head = TiedHead::new(&table, i);
+    let head = TiedHead::new(&table, i).unwrap();
     // A hidden state with one clear winner, as a trained model's usually is.
     let mut x = values(i, 2);
     let winner = 4242;

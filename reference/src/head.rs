@@ -36,13 +36,15 @@ use std::sync::Mutex;
 
 use rayon::prelude::*;
 
+use crate::buffer::LargeBuffer;
 use crate::kernels::{dot, matvec_q8_i16, q8_i16_limit};
 
 /// The int8 copy of a tied head's `[vocab, hidden]` table and each row's error bound.
 pub struct TiedHead {
     hidden: usize,
-    /// `[vocab, hidden]`: `round(w / scale)` of each weight, in [-127, 127].
-    q: Vec<i8>,
+    /// `[vocab, hidden]`: `round(w / scale)` of each weight, in [-127, 127]. Streamed whole
+    /// by every screened step: a [`LargeBuffer`] (huge pages where the OS offers them).
+    q: LargeBuffer<i8>,
     /// `[vocab]`: each row's `max |w| / 127`.
     scale: Vec<f32>,
     /// `[vocab]`: `|e - ã| <= |h| slack` for the row's f32 and approximate logits.
@@ -59,7 +61,10 @@ pub struct TiedHead {
 impl TiedHead {
     /// Rounds `table` (`[vocab, hidden]`, the f32 head) and bounds each row's error, in
     /// parallel: one read of the table.
-    pub fn new(table: &[f32], hidden: usize) -> Self {
+    ///
+    /// # Errors
+    /// The OS's error when it cannot map the int8 copy.
+    pub fn new(table: &[f32], hidden: usize) -> std::io::Result<Self> {
         assert!(
             hidden > 0 && table.len().is_multiple_of(hidden),
             "TiedHead: table"
@@ -67,7 +72,7 @@ impl TiedHead {
         let vocab = table.len() / hidden;
         let mu = (hidden + 1) as f64 * f64::powi(2.0, -24);
         let gamma = mu / (1.0 - mu);
-        let mut q = vec![0i8; table.len()];
+        let mut q = LargeBuffer::zeroed(table.len())?;
         let (mut scale, mut slack) = (vec![0f32; vocab], vec![0f32; vocab]);
         let mut norm_a = vec![0f32; vocab];
         q.par_chunks_mut(hidden)
@@ -97,7 +102,7 @@ impl TiedHead {
             });
         // A weight that is not finite makes its row's norm, and so its bound, not finite.
         let finite = slack.iter().all(|s| s.is_finite());
-        TiedHead {
+        Ok(TiedHead {
             hidden,
             q,
             scale,
@@ -105,7 +110,7 @@ impl TiedHead {
             norm_a,
             finite,
             sums: Mutex::new(Vec::new()),
-        }
+        })
     }
 
     /// The argmax over rows of `table . h` (lowest id on a tie), where `table` is the f32 head
@@ -319,7 +324,7 @@ mod tests {
             .iter_mut()
             .for_each(|w| *w = (*w * 127.0).round() / 4.0);
         table[2 * hidden] = 127.0 / 4.0;
-        let head = TiedHead::new(&table, hidden);
+        let head = TiedHead::new(&table, hidden).unwrap();
         let h: Vec<f32> = values(hidden, 12).iter().map(|v| v * 30.0).collect();
         let norm = h.iter().map(|&v| f64::from(v).powi(2)).sum::<f64>().sqrt();
         let mut exact = vec![0.0; vocab];
@@ -358,14 +363,14 @@ mod tests {
             let row: Vec<f32> = table[top * hidden..(top + 1) * hidden].to_vec();
             let (after, before) = ((top + 7) % vocab, top / 2);
             table[after * hidden..(after + 1) * hidden].copy_from_slice(&row);
-            let head = TiedHead::new(&table, hidden);
+            let head = TiedHead::new(&table, hidden).unwrap();
             assert_eq!(
                 head.argmax(&table, &h),
                 Some(full_argmax(&table, &h, hidden)),
                 "{hidden}x{vocab}: duplicate after"
             );
             table[before * hidden..(before + 1) * hidden].copy_from_slice(&row);
-            let head = TiedHead::new(&table, hidden);
+            let head = TiedHead::new(&table, hidden).unwrap();
             let want = full_argmax(&table, &h, hidden);
             assert_eq!(want as usize, before.min(top), "the full head's tie rule");
             assert_eq!(head.argmax(&table, &h), Some(want), "{hidden}x{vocab}: tie");
@@ -373,7 +378,7 @@ mod tests {
             let mut nudged = table.clone();
             let w = &mut nudged[want as usize * hidden];
             *w = f32::from_bits(w.to_bits() - 1);
-            let head = TiedHead::new(&nudged, hidden);
+            let head = TiedHead::new(&nudged, hidden).unwrap();
             assert_eq!(
                 head.argmax(&nudged, &h),
                 Some(full_argmax(&nudged, &h, hidden)),
@@ -387,7 +392,7 @@ mod tests {
     fn argmax_matches_on_many_states() {
         let (hidden, vocab) = (128, 2048);
         let table = values(vocab * hidden, 21);
-        let head = TiedHead::new(&table, hidden);
+        let head = TiedHead::new(&table, hidden).unwrap();
         for seed in 0..200 {
             let h: Vec<f32> = values(hidden, 1000 + seed)
                 .iter()
@@ -407,7 +412,7 @@ mod tests {
     fn argmax_from_threads_at_once() {
         let (hidden, vocab) = (64, 3000);
         let table = values(vocab * hidden, 31);
-        let head = TiedHead::new(&table, hidden);
+        let head = TiedHead::new(&table, hidden).unwrap();
         std::thread::scope(|scope| {
             for thread in 0..4u64 {
                 let (head, table) = (&head, &table);
@@ -431,11 +436,22 @@ mod tests {
         let hidden = 32;
         let mut table = values(16 * hidden, 5);
         let h = values(hidden, 6);
-        assert!(TiedHead::new(&table, hidden).argmax(&table, &h).is_some());
+        assert!(TiedHead::new(&table, hidden)
+            .unwrap()
+            .argmax(&table, &h)
+            .is_some());
         let mut bad_h = h.clone();
         bad_h[3] = f32::NAN;
-        assert_eq!(TiedHead::new(&table, hidden).argmax(&table, &bad_h), None);
+        assert_eq!(
+            TiedHead::new(&table, hidden)
+                .unwrap()
+                .argmax(&table, &bad_h),
+            None
+        );
         table[40] = f32::INFINITY;
-        assert_eq!(TiedHead::new(&table, hidden).argmax(&table, &h), None);
+        assert_eq!(
+            TiedHead::new(&table, hidden).unwrap().argmax(&table, &h),
+            None
+        );
     }
 }

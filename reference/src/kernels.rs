@@ -104,7 +104,9 @@ impl PackedWeight {
 
     /// The weights `parts` (each `[o_k, i]`, all of depth `i`) packed as one `[sum o_k, i]`:
     /// one product gives their outputs side by side in each row, as one parallel pass (a
-    /// layer's q, k and v projections, its gate and up). `None` as for [`PackedWeight::new`].
+    /// layer's q, k and v projections, its gate and up). `None` as for [`PackedWeight::new`],
+    /// and where the OS cannot map the packed copy: the row-major kernels serve the weights
+    /// where they are, slower but the same products.
     pub fn stacked(parts: &[&[f32]], i: usize) -> Option<Self> {
         for (k, w) in parts.iter().enumerate() {
             assert!(
@@ -117,7 +119,7 @@ impl PackedWeight {
             // SAFETY: the CPU has AVX-512F, each part holds whole rows of `i` floats, the
             // depth is checked.
             let panels = unsafe { blocked::Panels::pack(parts, i) };
-            return Some(PackedWeight { panels });
+            return panels.ok().map(|panels| PackedWeight { panels });
         }
         None
     }

@@ -4,6 +4,7 @@
 
 pub mod attention;
 pub mod blocks;
+pub mod buffer;
 pub mod gguf;
 pub mod head;
 pub mod kernels;
@@ -13,6 +14,7 @@ pub mod rope;
 pub mod tiny;
 pub mod weights;
 
+pub use buffer::LargeBuffer;
 pub use kv::ReferenceKv;
 pub use model::ReferenceModel;
 pub use weights::{write_safetensors, Tensor, TensorOut, Weights};

@@ -46,7 +46,11 @@ impl ReferenceModel {
             .map(|i| DecoderLayer::load(&cfg, &w, i))
             .collect::<Result<Vec<_>>>()?;
         let norm = RmsNorm::load(&w, "model.norm", cfg.hidden_size, cfg.rms_norm_eps)?;
-        let head = TiedHead::new(&embed_tokens, cfg.hidden_size);
+        let head = TiedHead::new(&embed_tokens, cfg.hidden_size).map_err(|e| Error::Backend {
+            backend: "reference",
+            op: "map the head's int8 copy".into(),
+            status: e.to_string(),
+        })?;
         // Decode reads the int8 copy; the f32 table serves embedding rows, the few rows the
         // head recomputes and requested logits. Its pages, all read by the copy, need not stay
         // in this process's RSS (advice: an error changes nothing).

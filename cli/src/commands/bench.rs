@@ -140,7 +140,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         Scenario::Plot => return plot_only(&args),
         Scenario::Workload => return write_workload(&args),
         Scenario::Limits => {
-            let limits = limits::measure(args.bandwidth_bytes, args.sgemm_n);
+            let limits = limits::measure(args.bandwidth_bytes, args.sgemm_n)?;
             print_limits(&limits);
             limits.json()
         }
@@ -238,10 +238,11 @@ fn run_model<M: KvModel>(
     scenario: ModelScenario,
 ) -> anyhow::Result<Value> {
     let cost = CostModel::of(model);
-    let before = limits::measure(args.bandwidth_bytes, args.sgemm_n);
+    let before = limits::measure(args.bandwidth_bytes, args.sgemm_n)?;
     // Made before the reset, resident throughout: the peak minus its pages is the scenario's.
     let probe = (matches!(scenario, ModelScenario::Catalog) && args.probe_bytes > 0)
-        .then(|| limits::Probe::new(args.probe_bytes));
+        .then(|| limits::Probe::new(args.probe_bytes))
+        .transpose()?;
     let rss_reset = reset_peak_rss();
     if !rss_reset {
         eprintln!("warning: could not reset the peak RSS; it includes the bandwidth buffer");
@@ -280,7 +281,7 @@ fn run_model<M: KvModel>(
         }
     };
     let cpu_share = cpu.share();
-    let after = limits::measure(args.bandwidth_bytes, args.sgemm_n);
+    let after = limits::measure(args.bandwidth_bytes, args.sgemm_n)?;
     let limits = before.best(&after);
     let mut out = match report {
         Measured::Catalog(run) => {

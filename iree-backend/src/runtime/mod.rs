@@ -14,7 +14,6 @@
 //! State stays on the device: results are buffer views, [`BufferView::device_copy`] copies on the
 //! device queue, and only [`BufferView::read_bytes`] and friends bring data to the host.
 
-mod aligned;
 mod buffer;
 mod device;
 mod ffi;
@@ -22,7 +21,6 @@ mod instance;
 mod session;
 mod status;
 
-pub(crate) use aligned::AlignedBytes;
 pub(crate) use buffer::as_bytes;
 pub use buffer::{BufferView, ElementType, Transfer, HOST_IMPORT_ALIGNMENT};
 pub use device::{AllocatorStats, Device, DeviceKind, ImportMode, ImportStats};

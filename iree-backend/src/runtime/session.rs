@@ -5,8 +5,8 @@
 use std::path::Path;
 
 use kvsnap_contract::{Error, Result};
+use kvsnap_reference::LargeBuffer;
 
-use super::aligned::AlignedBytes;
 use super::buffer::BufferView;
 use super::device::Device;
 use super::ffi::{self, sys};
@@ -32,7 +32,7 @@ pub struct Session {
     context: *mut sys::iree_vm_context_t,
     module: *mut sys::iree_vm_module_t,
     hal_module: *mut sys::iree_vm_module_t,
-    _vmfb: AlignedBytes,
+    _vmfb: LargeBuffer<u8>,
     module_name: String,
     functions: Vec<String>,
     device: Device,
@@ -82,8 +82,13 @@ impl Session {
         let backend = device.backend();
         let vm = device.inner.instance.inner.vm;
         let alloc = ffi::system_allocator();
-        let vmfb = AlignedBytes::copy_of(vmfb)
-            .ok_or_else(|| backend_error(backend, "load module", "out of host memory"))?;
+        // Page-aligned, as the vmfb's 64-byte-aligned archive segments need.
+        let vmfb = LargeBuffer::zeroed(vmfb.len())
+            .map(|mut copy| {
+                copy.copy_from_slice(vmfb);
+                copy
+            })
+            .map_err(|e| backend_error(backend, "load module", e.to_string()))?;
         let mut guard = Cleanup {
             hal_module: std::ptr::null_mut(),
             module: std::ptr::null_mut(),

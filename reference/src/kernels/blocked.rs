@@ -24,6 +24,8 @@ use rayon::prelude::*;
 use std::arch::x86_64::*;
 use std::ops::Range;
 
+use crate::buffer::LargeBuffer;
+
 /// Rows of `x` in a register tile (and in a band).
 const MR: usize = 12;
 /// Output columns in a register tile: two 16-lane vectors.
@@ -130,10 +132,11 @@ pub(super) unsafe fn matvec_panels_avx512(out: &mut [f32], x: &[f32], w: &Panels
 /// panels of `[i, NR]` (row `NR p + j` of the weight at lane `j` of its panel `p`, zero past
 /// its last row), every panel on a cache-line boundary. A panel holds one weight's rows only,
 /// so a weight of fewer than a multiple of [`NR`] rows ends in a partial panel.
+///
+/// The panels live in a [`LargeBuffer`] (page-aligned, on transparent huge pages where the OS
+/// offers them): a decode step streams every layer's panels once.
 pub struct Panels {
-    data: Vec<f32>,
-    /// Where the first panel starts in `data` (its 64-byte boundary).
-    at: usize,
+    data: LargeBuffer<f32>,
     i: usize,
     o: usize,
     /// The output columns of each panel.
@@ -143,10 +146,13 @@ pub struct Panels {
 impl Panels {
     /// Packs the weights `parts` (each `[o_k, i]`), the panels in parallel.
     ///
+    /// # Errors
+    /// The OS's error when it cannot map the packed copy.
+    ///
     /// # Safety
     /// The CPU must have AVX-512F; each part holds a whole number of rows of `i` floats and
     /// `i <= MAX_DEPTH`.
-    pub(super) unsafe fn pack(parts: &[&[f32]], i: usize) -> Panels {
+    pub(super) unsafe fn pack(parts: &[&[f32]], i: usize) -> std::io::Result<Panels> {
         // Each panel: its output columns, its weight and the weight's rows in it.
         let mut panels = Vec::new();
         let mut o = 0;
@@ -158,11 +164,8 @@ impl Panels {
             }
             o += rows;
         }
-        let len = panels.len() * i * NR;
-        let mut data = vec![0.0f32; len + LINE];
-        let at = data.as_ptr().align_offset(64).min(LINE);
-        data[at..at + len]
-            .par_chunks_mut((i * NR).max(1))
+        let mut data = LargeBuffer::zeroed(panels.len() * i * NR)?;
+        data.par_chunks_mut((i * NR).max(1))
             .zip(&panels)
             .for_each(|(block, (_, part, rows))| {
                 // SAFETY: the CPU has AVX-512F; `rows` are rows of `parts[part]`; `block` is
@@ -170,18 +173,12 @@ impl Panels {
                 unsafe { pack_avx512(block, parts[*part], rows.clone(), i) };
             });
         let cols = panels.into_iter().map(|(cols, ..)| cols).collect();
-        Panels {
-            data,
-            at,
-            i,
-            o,
-            cols,
-        }
+        Ok(Panels { data, i, o, cols })
     }
 
     /// Panel `p` as `[i, NR]`.
     fn panel(&self, p: usize) -> &[f32] {
-        &self.data[self.at + p * self.i * NR..][..self.i * NR]
+        &self.data[p * self.i * NR..][..self.i * NR]
     }
 
     /// The packed weights' `[out, in]` shape (`out` summed over them).

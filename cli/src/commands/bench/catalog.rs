@@ -715,7 +715,7 @@ mod tests {
             utterance: vec![105, 40, 41],
             greedy: Vec::new(),
         };
-        let probe = Probe::new(1 << 20);
+        let probe = Probe::new(1 << 20).unwrap();
         let served = serve(&model, &w, 2, 3, 4, Some(&probe)).unwrap();
         assert_eq!(served.prefill_runs_s.len(), 2);
         assert_eq!(

@@ -1,0 +1,198 @@
+//! [`LargeBuffer`]: a zeroed buffer of plain numbers in an anonymous mapping of its own,
+//! advised onto transparent huge pages, for what a decode step streams from memory: the
+//! layers' packed weights and the screened head's int8 table (about 590 MB a step).
+//!
+//! On 4 KiB pages a step crosses some 150,000 pages, each one a TLB miss and a page walk
+//! (two-dimensional under a hypervisor). Linux hands out 2 MiB pages to a mapping advised with
+//! `MADV_HUGEPAGE` when `/sys/kernel/mm/transparent_hugepage/enabled` is `madvise` (the
+//! common default) or `always`; large anonymous mappings start on a 2 MiB boundary (Linux
+//! 6.7 on). A `vec!` from malloc is not advised, and in `madvise` mode stays on 4 KiB pages.
+//! Measured on a 2-vCPU AVX-512 Xeon VM (docs/BENCHMARKS.md, twenty-sixth pass): the
+//! reference's decode step 25.2-28.1 ms on 4 KiB pages, 22.4-23.9 ms on 2 MiB ones. The advice
+//! is only advice: where the kernel has no huge pages to give, or on other systems, the buffer
+//! is an ordinary zeroed mapping.
+
+use std::marker::PhantomData;
+use std::ops::{Deref, DerefMut};
+
+use memmap2::MmapMut;
+
+/// Element types a [`LargeBuffer`] holds: plain numbers, valid as all-zero bits, without
+/// drop glue.
+pub trait Plain: Copy + Send + Sync + 'static + sealed::Sealed {}
+
+mod sealed {
+    pub trait Sealed {}
+}
+
+macro_rules! plain {
+    ($($t:ty),*) => {$(
+        impl sealed::Sealed for $t {}
+        impl Plain for $t {}
+    )*};
+}
+plain!(f32, i8, u8, i32);
+
+/// `len` zeroed `T`s in an anonymous mapping of their own, page-aligned, advised onto
+/// transparent huge pages where the OS offers them (see the module docs).
+pub struct LargeBuffer<T: Plain> {
+    map: MmapMut,
+    len: usize,
+    _elem: PhantomData<T>,
+}
+
+impl<T: Plain> LargeBuffer<T> {
+    /// `len` zeroed elements. Nothing is touched yet: the pages are mapped as they are first
+    /// written, huge where the advice holds.
+    ///
+    /// # Errors
+    /// The OS's error when it cannot map the bytes (out of memory or address space), or
+    /// `OutOfMemory` when `len` elements overflow the address space.
+    pub fn zeroed(len: usize) -> std::io::Result<Self> {
+        let bytes = len.checked_mul(std::mem::size_of::<T>()).ok_or_else(|| {
+            std::io::Error::new(
+                std::io::ErrorKind::OutOfMemory,
+                format!(
+                    "{len} elements of {} bytes overflow the address space",
+                    std::mem::size_of::<T>()
+                ),
+            )
+        })?;
+        // A mapping cannot be empty: an empty buffer maps one byte it never shows.
+        let map = MmapMut::map_anon(bytes.max(1))?;
+        #[cfg(target_os = "linux")]
+        {
+            // Advice only: refused (EINVAL) where the kernel has no transparent huge pages, and
+            // the buffer works the same on 4 KiB pages.
+            let _ = map.advise(memmap2::Advice::HugePage);
+        }
+        Ok(LargeBuffer {
+            map,
+            len,
+            _elem: PhantomData,
+        })
+    }
+
+    /// The elements' bytes.
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.map[..std::mem::size_of_val(self.deref())]
+    }
+}
+
+impl<T: Plain> Deref for LargeBuffer<T> {
+    type Target = [T];
+
+    fn deref(&self) -> &[T] {
+        // SAFETY: the mapping is page-aligned (so aligned for `T`), at least `len *
+        // size_of::<T>()` bytes long and owned by `self`; every bit pattern the mapping can hold
+        // is a valid `T` (`Plain`: plain numbers).
+        unsafe { std::slice::from_raw_parts(self.map.as_ptr().cast::<T>(), self.len) }
+    }
+}
+
+impl<T: Plain> DerefMut for LargeBuffer<T> {
+    fn deref_mut(&mut self) -> &mut [T] {
+        // SAFETY: as in `deref`, borrowed mutably through `self`.
+        unsafe { std::slice::from_raw_parts_mut(self.map.as_mut_ptr().cast::<T>(), self.len) }
+    }
+}
+
+impl<T: Plain> AsRef<[u8]> for LargeBuffer<T> {
+    fn as_ref(&self) -> &[u8] {
+        self.as_bytes()
+    }
+}
+
+impl<T: Plain> std::fmt::Debug for LargeBuffer<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LargeBuffer")
+            .field("len", &self.len)
+            .field("elem", &std::any::type_name::<T>())
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buffers_are_zeroed_aligned_and_writable() {
+        for len in [0, 1, 1000, 3 << 20] {
+            let mut b = LargeBuffer::<f32>::zeroed(len).unwrap();
+            assert_eq!(b.len(), len);
+            assert_eq!(b.as_ptr() as usize % 4096, 0);
+            assert!(b.iter().all(|&x| x == 0.0));
+            b.iter_mut().enumerate().for_each(|(i, x)| *x = i as f32);
+            assert!(b.iter().enumerate().all(|(i, &x)| x == i as f32));
+            assert_eq!(b.as_bytes().len(), len * 4);
+            if len > 1 {
+                assert_eq!(b.as_bytes()[4..8], 1.0f32.to_ne_bytes());
+            }
+        }
+        let mut q = LargeBuffer::<i8>::zeroed(5).unwrap();
+        q[4] = -3;
+        assert_eq!(&q[..], &[0, 0, 0, 0, -3]);
+        assert_eq!(q.as_ref(), &[0, 0, 0, 0, 253]);
+    }
+
+    #[test]
+    fn an_impossible_length_is_an_error() {
+        let e = LargeBuffer::<f32>::zeroed(usize::MAX / 2).unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::OutOfMemory);
+        // Within the address-space arithmetic but beyond any host: the OS refuses the mapping.
+        assert!(LargeBuffer::<u8>::zeroed(usize::MAX / 4).is_err());
+    }
+
+    /// On Linux with transparent huge pages in `madvise` or `always` mode, a written buffer of
+    /// several huge pages sits at least partly on them (`AnonHugePages` of its mapping in
+    /// `/proc/self/smaps`). Skipped, and says so, where the kernel offers none.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_written_buffer_sits_on_huge_pages_where_the_kernel_offers_them() {
+        let mode = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")
+            .unwrap_or_default();
+        if !(mode.contains("[madvise]") || mode.contains("[always]")) {
+            eprintln!(
+                "skipped: transparent huge pages are off here ({})",
+                mode.trim()
+            );
+            return;
+        }
+        let mut b = LargeBuffer::<u8>::zeroed(16 << 20).unwrap();
+        b.fill(1);
+        let start = b.as_ptr() as usize;
+        let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+        let huge_kb = huge_kb_of_mapping(&smaps, start).expect("the buffer's mapping in smaps");
+        assert!(
+            huge_kb >= 2048,
+            "16 MiB written, {huge_kb} kB on huge pages ({})",
+            mode.trim()
+        );
+    }
+
+    /// `AnonHugePages` (kB) of the mapping of `/proc/self/smaps` that contains `addr`.
+    #[cfg(target_os = "linux")]
+    fn huge_kb_of_mapping(smaps: &str, addr: usize) -> Option<u64> {
+        let mut inside = false;
+        for line in smaps.lines() {
+            let range = line
+                .split_whitespace()
+                .next()
+                .and_then(|r| r.split_once('-'));
+            if let Some((a, b)) = range {
+                if let (Ok(a), Ok(b)) = (usize::from_str_radix(a, 16), usize::from_str_radix(b, 16))
+                {
+                    inside = (a..b).contains(&addr);
+                    continue;
+                }
+            }
+            if inside {
+                if let Some(kb) = line.strip_prefix("AnonHugePages:") {
+                    return kb.trim().trim_end_matches("kB").trim().parse().ok();
+                }
+            }
+        }
+        None
+    }
+}
