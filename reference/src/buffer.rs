@@ -73,6 +73,16 @@ impl<T: Plain> LargeBuffer<T> {
         })
     }
 
+    /// A copy of `src`.
+    ///
+    /// # Errors
+    /// As for [`LargeBuffer::zeroed`].
+    pub fn copy_of(src: &[T]) -> std::io::Result<Self> {
+        let mut copy = Self::zeroed(src.len())?;
+        copy.copy_from_slice(src);
+        Ok(copy)
+    }
+
     /// The elements' bytes.
     pub fn as_bytes(&self) -> &[u8] {
         &self.map[..std::mem::size_of_val(self.deref())]
@@ -134,6 +144,9 @@ mod tests {
         q[4] = -3;
         assert_eq!(&q[..], &[0, 0, 0, 0, -3]);
         assert_eq!(q.as_ref(), &[0, 0, 0, 0, 253]);
+        let c = LargeBuffer::copy_of(&[7i32, -8]).unwrap();
+        assert_eq!(&c[..], &[7, -8]);
+        assert_eq!(c.as_ptr() as usize % 4096, 0);
     }
 
     #[test]

@@ -83,11 +83,7 @@ impl Session {
         let vm = device.inner.instance.inner.vm;
         let alloc = ffi::system_allocator();
         // Page-aligned, as the vmfb's 64-byte-aligned archive segments need.
-        let vmfb = LargeBuffer::zeroed(vmfb.len())
-            .map(|mut copy| {
-                copy.copy_from_slice(vmfb);
-                copy
-            })
+        let vmfb = LargeBuffer::copy_of(vmfb)
             .map_err(|e| backend_error(backend, "load module", e.to_string()))?;
         let mut guard = Cleanup {
             hal_module: std::ptr::null_mut(),

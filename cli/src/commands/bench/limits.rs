@@ -86,7 +86,7 @@ fn read_bandwidth(len: usize, passes: usize) -> anyhow::Result<f64> {
 
 /// `len` f32 whose pages are all mapped, holding values the compiler cannot fold away. A
 /// [`LargeBuffer`], as the weights the decode kernels stream are: on huge pages where the OS
-/// offers them (a sum over 4 KiB pages read 4-5% less on a Xeon VM), so that the limit is what
+/// offers them (a sum over 4 KiB pages read 1-5% less on a Xeon VM), so that the limit is what
 /// the best-placed kernel could reach.
 fn touched(len: usize) -> anyhow::Result<LargeBuffer<f32>> {
     let mut buf = LargeBuffer::zeroed(len)
