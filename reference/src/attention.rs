@@ -1,10 +1,9 @@
 //! The attention kernel: causal (optionally windowed) softmax attention over cached segments
 //! plus the current chunk, with grouped KV heads.
 
-use rayon::prelude::*;
-
 use crate::kernels::{few_rows, matmul, softmax};
 use crate::kv::KvSegment;
+use crate::team;
 
 /// Static shape and masking of one layer's attention.
 #[derive(Clone, Copy, Debug)]
@@ -141,41 +140,37 @@ fn attention_vector(out: &mut [f32], q: &[f32], pos0: usize, segments: &[KvSegme
     let group = s.heads / s.kv_heads;
     let (parts, nk) = visible(segments, row, s.first_visible(pos0), pos0);
 
-    // Scores key by key for each KV head ([kv_heads, nk, group]), by blocks of keys in
-    // parallel: each key row met by its KV head's queries in 4 x 4 tiles of dot products.
-    let mut by_key = vec![0.0f32; nk * s.heads];
-    by_key
-        .par_chunks_mut((nk * group).max(1))
-        .enumerate()
-        .flat_map(|(kv, head)| {
-            head.par_chunks_mut(KEY_BLOCK * group)
-                .enumerate()
-                .map(move |(b, block)| (kv, b * KEY_BLOCK, block))
-        })
-        .for_each(|(kv, first, block)| {
-            let qs = &q[kv * group * hd..][..group * hd];
-            let keys = first..first + block.len() / group;
-            for part in &parts {
-                let (r, col) = (&part.rows, part.col);
-                let (a, b) = (keys.start.max(col), keys.end.min(col + r.len()));
-                if a < b {
-                    let rows = r.start + a - col..r.start + b - col;
-                    let k = head_rows(part.seg.k, &rows, row, kv * hd, hd);
-                    let t = &mut block[(a - first) * group..(b - first) * group];
-                    few_rows(t, qs, &k, group, hd);
-                }
+    // Scores key by key for each KV head ([kv_heads, padded, group], the keys padded to whole
+    // blocks), by blocks of keys in parallel: each key row met by its KV head's queries in
+    // 4 x 4 tiles of dot products.
+    let blocks = nk.div_ceil(KEY_BLOCK);
+    let padded = blocks * KEY_BLOCK;
+    let mut by_key = vec![0.0f32; s.kv_heads * padded * group];
+    team::for_each_chunk(&mut by_key, KEY_BLOCK * group, |c, block| {
+        let (kv, first) = (c / blocks, c % blocks * KEY_BLOCK);
+        let qs = &q[kv * group * hd..][..group * hd];
+        let keys = first..(first + KEY_BLOCK).min(nk);
+        for part in &parts {
+            let (r, col) = (&part.rows, part.col);
+            let (a, b) = (keys.start.max(col), keys.end.min(col + r.len()));
+            if a < b {
+                let rows = r.start + a - col..r.start + b - col;
+                let k = head_rows(part.seg.k, &rows, row, kv * hd, hd);
+                let t = &mut block[(a - first) * group..(b - first) * group];
+                few_rows(t, qs, &k, group, hd);
             }
-            for x in block.iter_mut() {
-                *x *= s.scale;
-                if let Some(cap) = s.softcap {
-                    *x = (*x / cap).tanh() * cap;
-                }
+        }
+        for x in &mut block[..keys.len() * group] {
+            *x *= s.scale;
+            if let Some(cap) = s.softcap {
+                *x = (*x / cap).tanh() * cap;
             }
-        });
+        }
+    });
     // Head by head ([heads, nk]) for the softmax and the weighted sums.
     let mut scores = vec![0.0f32; s.heads * nk];
-    for (kv, head) in by_key.chunks_exact((nk * group).max(1)).enumerate() {
-        for (j, cells) in head.chunks_exact(group).enumerate() {
+    for (kv, head) in by_key.chunks_exact((padded * group).max(1)).enumerate() {
+        for (j, cells) in head.chunks_exact(group).take(nk).enumerate() {
             for (t, &x) in cells.iter().enumerate() {
                 scores[(kv * group + t) * nk + j] = x;
             }
@@ -187,9 +182,8 @@ fn attention_vector(out: &mut [f32], q: &[f32], pos0: usize, segments: &[KvSegme
 
     // Weighted value rows by (KV head, strip of dimensions), in parallel.
     let strips = hd.div_ceil(DIM_STRIP);
-    let sums: Vec<(usize, std::ops::Range<usize>, Vec<f32>)> = (0..s.kv_heads * strips)
-        .into_par_iter()
-        .map(|task| {
+    let sums: Vec<(usize, std::ops::Range<usize>, Vec<f32>)> =
+        team::map(s.kv_heads * strips, |task| {
             let (kv, strip) = (task / strips, task % strips);
             let dims = strip * DIM_STRIP..(strip * DIM_STRIP + DIM_STRIP).min(hd);
             let h0 = kv * group;
@@ -205,8 +199,7 @@ fn attention_vector(out: &mut [f32], q: &[f32], pos0: usize, segments: &[KvSegme
                 );
             }
             (h0, dims, o)
-        })
-        .collect();
+        });
     for (h0, dims, o) in sums {
         for (h, o) in o.chunks_exact(dims.len()).enumerate() {
             out[(h0 + h) * hd + dims.start..][..dims.len()].copy_from_slice(o);
@@ -237,67 +230,64 @@ fn attention_blocked(
     let blocks = n.div_ceil(QUERY_BLOCK);
 
     // Each task owns the output rows of one (block, head); collect them, then scatter.
-    let results: Vec<(usize, usize, Vec<f32>)> = (0..blocks * s.heads)
-        .into_par_iter()
-        .map(|task| {
-            let (b, h) = (task / s.heads, task % s.heads);
-            let t0 = b * QUERY_BLOCK;
-            let bq = QUERY_BLOCK.min(n - t0);
-            let g = (h / group) * hd;
-            let (first_q, last_q) = (pos0 + t0, pos0 + t0 + bq - 1);
-            let (parts, nk) = visible(segments, row, s.first_visible(first_q), last_q);
+    let results: Vec<(usize, usize, Vec<f32>)> = team::map(blocks * s.heads, |task| {
+        let (b, h) = (task / s.heads, task % s.heads);
+        let t0 = b * QUERY_BLOCK;
+        let bq = QUERY_BLOCK.min(n - t0);
+        let g = (h / group) * hd;
+        let (first_q, last_q) = (pos0 + t0, pos0 + t0 + bq - 1);
+        let (parts, nk) = visible(segments, row, s.first_visible(first_q), last_q);
 
-            // S[bq, nk] = Q[t0.., h] . K^T, a part's columns at a time.
-            let qb: Vec<f32> = (0..bq)
-                .flat_map(|t| &q[(t0 + t) * qrow + h * hd..][..hd])
-                .copied()
-                .collect();
-            let mut scores = vec![0.0f32; bq * nk];
-            let mut sums = Vec::new();
-            for part in &parts {
-                let (r, col) = (&part.rows, part.col);
-                let keys = head_rows(part.seg.k, r, row, g, hd);
-                sums.resize(bq * r.len(), 0.0);
-                matmul(&mut sums, &qb, &keys, bq, hd, r.len());
-                for (srow, prow) in scores.chunks_exact_mut(nk).zip(sums.chunks_exact(r.len())) {
-                    srow[col..col + r.len()].copy_from_slice(prow);
-                }
+        // S[bq, nk] = Q[t0.., h] . K^T, a part's columns at a time.
+        let qb: Vec<f32> = (0..bq)
+            .flat_map(|t| &q[(t0 + t) * qrow + h * hd..][..hd])
+            .copied()
+            .collect();
+        let mut scores = vec![0.0f32; bq * nk];
+        let mut sums = Vec::new();
+        for part in &parts {
+            let (r, col) = (&part.rows, part.col);
+            let keys = head_rows(part.seg.k, r, row, g, hd);
+            sums.resize(bq * r.len(), 0.0);
+            matmul(&mut sums, &qb, &keys, bq, hd, r.len());
+            for (srow, prow) in scores.chunks_exact_mut(nk).zip(sums.chunks_exact(r.len())) {
+                srow[col..col + r.len()].copy_from_slice(prow);
             }
+        }
 
-            // Scale, cap, mask and softmax each query's row. The keys a query sees in a part
-            // are one run: its own visible rows of the segment, inside the block's.
-            for (t, srow) in scores.chunks_exact_mut(nk).enumerate() {
-                let qpos = first_q + t;
-                let first = s.first_visible(qpos);
-                for part in &parts {
-                    let r = &part.rows;
-                    let cells = &mut srow[part.col..part.col + r.len()];
-                    let seen = rows_in(part.seg, row, first, qpos);
-                    let (a, b) = (seen.start - r.start, seen.end - r.start);
-                    cells[..a].fill(f32::NEG_INFINITY);
-                    cells[b..].fill(f32::NEG_INFINITY);
-                    for x in &mut cells[a..b] {
-                        *x *= s.scale;
-                        if let Some(cap) = s.softcap {
-                            *x = (*x / cap).tanh() * cap;
-                        }
+        // Scale, cap, mask and softmax each query's row. The keys a query sees in a part
+        // are one run: its own visible rows of the segment, inside the block's.
+        for (t, srow) in scores.chunks_exact_mut(nk).enumerate() {
+            let qpos = first_q + t;
+            let first = s.first_visible(qpos);
+            for part in &parts {
+                let r = &part.rows;
+                let cells = &mut srow[part.col..part.col + r.len()];
+                let seen = rows_in(part.seg, row, first, qpos);
+                let (a, b) = (seen.start - r.start, seen.end - r.start);
+                cells[..a].fill(f32::NEG_INFINITY);
+                cells[b..].fill(f32::NEG_INFINITY);
+                for x in &mut cells[a..b] {
+                    *x *= s.scale;
+                    if let Some(cap) = s.softcap {
+                        *x = (*x / cap).tanh() * cap;
                     }
                 }
-                softmax(srow);
             }
+            softmax(srow);
+        }
 
-            // O[bq, hd] = P . V
-            let mut o = vec![0.0f32; bq * hd];
-            for part in &parts {
-                weighted_rows(
-                    &mut o,
-                    &part.weights(&scores, nk),
-                    &part.values(row, g..g + hd),
-                );
-            }
-            (t0, h, o)
-        })
-        .collect();
+        // O[bq, hd] = P . V
+        let mut o = vec![0.0f32; bq * hd];
+        for part in &parts {
+            weighted_rows(
+                &mut o,
+                &part.weights(&scores, nk),
+                &part.values(row, g..g + hd),
+            );
+        }
+        (t0, h, o)
+    });
 
     for (t0, h, o) in results {
         for (t, o) in o.chunks_exact(hd).enumerate() {

@@ -38,6 +38,7 @@ use rayon::prelude::*;
 
 use crate::buffer::LargeBuffer;
 use crate::kernels::{dot, matvec_q8_i16, q8_i16_limit};
+use crate::team;
 
 /// The int8 copy of a tied head's `[vocab, hidden]` table and each row's error bound.
 pub struct TiedHead {
@@ -127,19 +128,19 @@ impl TiedHead {
         let sums = kept.as_deref_mut().unwrap_or(&mut own);
         sums.resize(vocab, 0);
         let screen = self.screen(h, sums)?;
-        // Rows in blocks: one rayon task a block, each block's scores and bounds computed once
-        // into a buffer by a loop the compiler vectorises. A block keeps the rows that reach
-        // its own best lower bound, a superset of those that reach the global one.
-        let (lower, mut rows) = (0..vocab.div_ceil(SCREEN_BLOCK))
-            .into_par_iter()
-            .map(|b| screen.block(self, b * SCREEN_BLOCK..((b + 1) * SCREEN_BLOCK).min(vocab)))
-            .reduce(
-                || (f64::NEG_INFINITY, Vec::new()),
-                |(l1, mut r1), (l2, r2)| {
+        // Rows in blocks: one task a block, each block's scores and bounds computed once into
+        // a buffer by a loop the compiler vectorises. A block keeps the rows that reach its
+        // own best lower bound, a superset of those that reach the global one.
+        let blocks = team::map(vocab.div_ceil(SCREEN_BLOCK), |b| {
+            screen.block(self, b * SCREEN_BLOCK..((b + 1) * SCREEN_BLOCK).min(vocab))
+        });
+        let (lower, mut rows) =
+            blocks
+                .into_iter()
+                .fold((f64::NEG_INFINITY, Vec::new()), |(l1, mut r1), (l2, r2)| {
                     r1.extend(r2);
                     (l1.max(l2), r1)
-                },
-            );
+                });
         if !lower.is_finite() {
             return None;
         }

@@ -1,7 +1,7 @@
 //! Numeric kernels of the forward pass: small free functions, output first, each with a naive
 //! version beside it that serves as its test oracle.
 
-use rayon::prelude::*;
+use crate::team;
 
 #[cfg(target_arch = "x86_64")]
 mod blocked;
@@ -51,7 +51,7 @@ pub(crate) fn avx2() -> bool {
 /// (through the portable kernels on an AVX-512 host, the catalog's 22-token extend 173 -> 93
 /// ms, its prefill 1.82 -> 1.52 s) but not its AVX2 tiles on a few rows (a Zen 3 host, 22 rows:
 /// the layers' products 1.4-2.8x faster, docs/BENCHMARKS.md, seventeenth pass). All parallel
-/// over rayon's pool.
+/// over [`crate::team`] (the `gemm` crate over rayon's pool).
 ///
 /// # Shapes
 /// `out`: `[n, o]`, `x`: `[n, i]`, `w`: `[o, i]`.
@@ -207,7 +207,7 @@ const FEW_AHEAD_GROUPS: usize = 2;
 /// `out[n, o] = x[n, i] . w[o, i]^T` for a few rows, weight-stationary like [`matvec`]: each
 /// group of four weight rows is read from memory once, in order, and multiplied with every row
 /// of `x` (which stays in cache) as tiles of dot products ([`few_rows`]); blocks of 64
-/// weight rows are split across rayon's pool. A group's first tile prefetches the group two
+/// weight rows are the tasks ([`crate::team`]). A group's first tile prefetches the group two
 /// ahead: without it a group's rows arrived only as its first tile read them (a 22-token
 /// extend after an 860-token prefix, when the layers still ran here: five interleaved runs of
 /// 30, p50 74.7-85.5 -> 66.3-80.5 ms, faster in each; docs/BENCHMARKS.md, fourteenth pass).
@@ -229,9 +229,9 @@ pub fn matmul_few(out: &mut [f32], x: &[f32], w: &[f32], n: usize, i: usize, o: 
         transposed.resize(o * n, 0.0f32);
         &mut transposed
     };
-    t.par_chunks_mut(ROWS * n)
-        .zip(w.par_chunks(ROWS * i))
-        .for_each(|(t, w)| few_rows(t, x, w, n, i));
+    team::for_each_chunk(t, ROWS * n, |c, t| {
+        few_rows(t, x, &w[c * ROWS * i..][..t.len() / n * i], n, i)
+    });
     if n > 1 {
         for (r, out) in out.chunks_exact_mut(o).enumerate() {
             for (c, out) in out.iter_mut().enumerate() {
@@ -469,32 +469,37 @@ unsafe fn tile_avx2<const R: usize, const C: usize>(
     }
 }
 
+/// Rows of a streamed matrix-vector product per task: runs of at least 64 rows, a few per
+/// thread (each claim of a task costs a cache line's round trip between cores).
+fn stream_rows(o: usize) -> usize {
+    o.div_ceil(team::tasks(4)).next_multiple_of(64).max(64)
+}
+
 /// `out[o] = w[o, i] . x[i]`: weight-stationary matrix-vector product for decode.
 ///
-/// Each weight row is read once, in order, by one core; rows are split into cache-sized
-/// blocks across rayon's pool. The tied head's full logits run it on every CPU (each row's sum
+/// Each weight row is read once, in order, by one core; runs of rows are the tasks
+/// ([`crate::team`]). The tied head's full logits run it on every CPU (each row's sum
 /// as [`dot`] computes it, which `crate::head`'s f32 recomputation relies on), and so does a
 /// one-row [`matmul`] where neither the AVX2 tiles nor the packed AVX-512 panels apply.
 pub fn matvec(out: &mut [f32], x: &[f32], w: &[f32], i: usize, o: usize) {
     assert_eq!(out.len(), o, "matvec: out");
     assert_eq!(x.len(), i, "matvec: x");
     assert_eq!(w.len(), o * i, "matvec: w");
-    const ROWS: usize = 64;
-    out.par_chunks_mut(ROWS)
-        .zip(w.par_chunks(ROWS * i))
-        .for_each(|(out, w)| {
-            #[cfg(target_arch = "x86_64")]
-            if avx512f() {
-                for (o, row) in out.iter_mut().zip(w.chunks_exact(i)) {
-                    // SAFETY: the CPU has AVX-512F.
-                    *o = unsafe { dot_avx512::<STREAM_AHEAD>(row, x) };
-                }
-                return;
-            }
+    let rows = stream_rows(o);
+    team::for_each_chunk(out, rows, |c, out| {
+        let w = &w[c * rows * i..][..out.len() * i];
+        #[cfg(target_arch = "x86_64")]
+        if avx512f() {
             for (o, row) in out.iter_mut().zip(w.chunks_exact(i)) {
-                *o = dot_plain(row, x);
+                // SAFETY: the CPU has AVX-512F.
+                *o = unsafe { dot_avx512::<STREAM_AHEAD>(row, x) };
             }
-        });
+            return;
+        }
+        for (o, row) in out.iter_mut().zip(w.chunks_exact(i)) {
+            *o = dot_plain(row, x);
+        }
+    });
 }
 
 /// `out[o] = q[o, i] . x[i]`: int8 weights against int16 activations, each row summed exactly
@@ -520,28 +525,27 @@ pub fn matvec_q8_i16(out: &mut [i32], x: &[i16], q: &[i8], i: usize, o: usize) {
         peak <= q8_i16_limit(i).unsigned_abs(),
         "matvec_q8_i16: |x| up to {peak} could overflow an i32 sum of {i} products"
     );
-    const ROWS: usize = 64;
-    out.par_chunks_mut(ROWS)
-        .zip(q.par_chunks(ROWS * i))
-        .for_each(|(out, q)| {
-            #[cfg(target_arch = "x86_64")]
-            if avx512bw() {
-                for (o, row) in out.iter_mut().zip(q.chunks_exact(i)) {
-                    // SAFETY: the CPU has AVX-512F and BW; `row` and `x` hold `i` elements.
-                    *o = unsafe { dot_q8_i16_avx512(row, x) };
-                }
-                return;
+    let rows = stream_rows(o);
+    team::for_each_chunk(out, rows, |c, out| {
+        let q = &q[c * rows * i..][..out.len() * i];
+        #[cfg(target_arch = "x86_64")]
+        if avx512bw() {
+            for (o, row) in out.iter_mut().zip(q.chunks_exact(i)) {
+                // SAFETY: the CPU has AVX-512F and BW; `row` and `x` hold `i` elements.
+                *o = unsafe { dot_q8_i16_avx512(row, x) };
             }
-            #[cfg(target_arch = "x86_64")]
-            if avx2() {
-                for (o, row) in out.iter_mut().zip(q.chunks_exact(i)) {
-                    // SAFETY: the CPU has AVX2; `row` and `x` hold `i` elements.
-                    *o = unsafe { dot_q8_i16_avx2(row, x) };
-                }
-                return;
+            return;
+        }
+        #[cfg(target_arch = "x86_64")]
+        if avx2() {
+            for (o, row) in out.iter_mut().zip(q.chunks_exact(i)) {
+                // SAFETY: the CPU has AVX2; `row` and `x` hold `i` elements.
+                *o = unsafe { dot_q8_i16_avx2(row, x) };
             }
-            matvec_q8_i16_naive(out, x, q, i, out.len());
-        });
+            return;
+        }
+        matvec_q8_i16_naive(out, x, q, i, out.len());
+    });
 }
 
 /// The largest `|x|` for which [`matvec_q8_i16`]'s i32 sums of `i` products cannot overflow:
@@ -837,26 +841,25 @@ pub fn geglu(out: &mut [f32], gate_up: &[f32], f: usize) {
     assert!(out.len().is_multiple_of(f), "geglu: out is not rows of {f}");
     // Tasks of at least 4096 outputs: one for a decode step's single row.
     let rows = 4096usize.div_ceil(f);
-    out.par_chunks_mut(rows * f)
-        .zip(gate_up.par_chunks(rows * 2 * f))
-        .for_each(|(out, gate_up)| {
-            for (out, gate_up) in out.chunks_exact_mut(f).zip(gate_up.chunks_exact(2 * f)) {
-                let (gate, up) = gate_up.split_at(f);
-                #[cfg(target_arch = "x86_64")]
-                if avx512f() {
-                    // SAFETY: the CPU has AVX-512F.
-                    unsafe { geglu_avx512(out, gate, up) };
-                    continue;
-                }
-                #[cfg(target_arch = "x86_64")]
-                if avx2() {
-                    // SAFETY: the CPU has AVX2 and FMA.
-                    unsafe { geglu_avx2(out, gate, up) };
-                    continue;
-                }
-                geglu_plain(out, gate, up)
+    team::for_each_chunk(out, rows * f, |c, out| {
+        let gate_up = &gate_up[c * rows * 2 * f..][..2 * out.len()];
+        for (out, gate_up) in out.chunks_exact_mut(f).zip(gate_up.chunks_exact(2 * f)) {
+            let (gate, up) = gate_up.split_at(f);
+            #[cfg(target_arch = "x86_64")]
+            if avx512f() {
+                // SAFETY: the CPU has AVX-512F.
+                unsafe { geglu_avx512(out, gate, up) };
+                continue;
             }
-        });
+            #[cfg(target_arch = "x86_64")]
+            if avx2() {
+                // SAFETY: the CPU has AVX2 and FMA.
+                unsafe { geglu_avx2(out, gate, up) };
+                continue;
+            }
+            geglu_plain(out, gate, up)
+        }
+    });
 }
 
 /// [`geglu_plain`] compiled for AVX-512 (16 lanes instead of the baseline's 4).

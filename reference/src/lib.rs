@@ -11,6 +11,7 @@ pub mod kernels;
 pub mod kv;
 pub mod model;
 pub mod rope;
+pub mod team;
 pub mod tiny;
 pub mod weights;
 

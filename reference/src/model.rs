@@ -2,7 +2,6 @@
 
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::OnceLock;
 
 use kvsnap_contract::{argmax, check, Error, KvModel, Logits, ModelConfig, Next, Result};
 
@@ -96,17 +95,9 @@ impl ReferenceModel {
     /// # Errors
     /// Only an injected fault ([`ReferenceModel::set_fault_after_layer`]); it leaves `kv` half
     /// updated, which the handle table turns into a poisoned state.
-    fn forward(&self, kv: &mut ReferenceKv, x: Vec<f32>, logits: Logits) -> Result<Next> {
-        on_forward_pool(|| self.forward_on_pool(kv, x, logits))
-    }
-
-    /// [`ReferenceModel::forward`], on whatever pool the caller runs in.
-    fn forward_on_pool(
-        &self,
-        kv: &mut ReferenceKv,
-        mut x: Vec<f32>,
-        logits: Logits,
-    ) -> Result<Next> {
+    /// The pass runs on the calling thread; its kernels fork over [`crate::team`], whose
+    /// workers spin between them.
+    fn forward(&self, kv: &mut ReferenceKv, mut x: Vec<f32>, logits: Logits) -> Result<Next> {
         let fault = self
             .fault_after_layer
             .swap(0, Ordering::SeqCst)
@@ -162,33 +153,6 @@ impl ReferenceModel {
     }
 }
 
-/// Runs `work` on the threads every forward pass runs on, one per core, shared by all
-/// reference models.
-///
-/// A decode step runs some 160 parallel kernels (per layer the projections, attention and
-/// GeGLU). Called from a thread outside the pool, each kernel was handed to rayon's global pool
-/// and waited for a sleeping worker to wake; with the whole pass moved onto a worker by
-/// `install`, the kernels fork and join among threads that are already running. Measured on the
-/// catalog (interleaved runs): decode step 30.0 -> 28.1 ms, turn p50 521 -> 500 ms, prefill
-/// 1.08 -> 1.02 s. Snapshots copy on the pool too: glibc gives each thread its own malloc
-/// arena, and the copy run from the caller's thread found no freed memory there (the first
-/// snapshot of the prefix went from 1.0 to 7.4 ms of page faults until it moved onto the pool).
-/// If the threads cannot be started, `work` runs on the caller's thread (kernels on rayon's
-/// global pool), as before.
-fn on_forward_pool<T: Send>(work: impl FnOnce() -> T + Send) -> T {
-    static POOL: OnceLock<Option<rayon::ThreadPool>> = OnceLock::new();
-    let pool = POOL.get_or_init(|| {
-        rayon::ThreadPoolBuilder::new()
-            .thread_name(|i| format!("kvsnap-reference-{i}"))
-            .build()
-            .ok()
-    });
-    match pool {
-        Some(pool) => pool.install(work),
-        None => work(),
-    }
-}
-
 impl KvModel for ReferenceModel {
     type Kv = ReferenceKv;
 
@@ -234,9 +198,9 @@ impl KvModel for ReferenceModel {
     }
 
     fn snapshot(&self, kv: &ReferenceKv) -> Result<ReferenceKv> {
-        // On the pool, like the forward passes whose freed buffers the copy can then reuse
-        // (a thread's allocations come from its own malloc arena).
-        Ok(on_forward_pool(|| kv.clone()))
+        // On the calling thread, like the forward passes whose freed buffers the copy can then
+        // reuse (a thread's allocations come from its own malloc arena).
+        Ok(kv.clone())
     }
 
     fn len(&self, kv: &ReferenceKv) -> usize {

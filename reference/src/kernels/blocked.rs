@@ -4,16 +4,17 @@
 //! `x` is first interleaved in bands of 12 rows (`[n / 12, i, 12]`, zero past the last row), so
 //! that a tile's broadcasts read one sequential stream (12 rows read where they lie are 12
 //! streams whose lines share L1 sets: with `i = 2048` all 12 fall in one set). The output's
-//! columns (the weight's rows) are split into panels of 32, one rayon task each: a task copies
-//! its panel's weights into a block laid out as the tile reads it (`[i, 32]`, cache-line
+//! columns (the weight's rows) are split into panels of 32, one task each ([`crate::team`]): a
+//! task copies its panel's weights into a block laid out as the tile reads it (`[i, 32]`, cache-line
 //! aligned; 80 KiB at `i = 640`, in L2), then runs every band against it over the whole depth:
 //! per input position two 16-lane loads of the block and 12 broadcasts of the band, 24 FMAs into
 //! 24 accumulators, and one store of the finished tile. `out` is written in place, each task its
 //! own columns.
 //!
 //! A weight packed once at load ([`Panels`], the model's layers, several of them stacked into
-//! one product) skips the per-call copy, and a single row runs [`matvec_panels_avx512`] over the
-//! same panels: broadcasts of `x` into 32 column sums, each panel streamed once in order.
+//! one product) skips the per-call copy, its tasks runs of consecutive panels, and a single row
+//! runs [`matvec_panels_avx512`] over the same panels: broadcasts of `x` into 32 column sums,
+//! each panel streamed once in order.
 //!
 //! The `gemm` crate this replaces ran AVX2 code on this target (its AVX-512 kernels need a
 //! nightly compiler): half the FMA width. Splitting the depth into L1-sized blocks (128-512
@@ -22,9 +23,11 @@
 
 use rayon::prelude::*;
 use std::arch::x86_64::*;
+use std::cell::RefCell;
 use std::ops::Range;
 
 use crate::buffer::LargeBuffer;
+use crate::team;
 
 /// Rows of `x` in a register tile (and in a band).
 const MR: usize = 12;
@@ -32,6 +35,13 @@ const MR: usize = 12;
 const NR: usize = 32;
 /// Floats in a cache line: the slack that lets a block start on one.
 const LINE: usize = 16;
+/// Runs of consecutive panels a packed product of several rows is cut into, per thread.
+const PANEL_RUNS: usize = 2;
+/// Runs of consecutive panels a packed matrix-vector product is cut into, per thread: one,
+/// each thread streaming its share in order. On the catalog's decode step (2-vCPU Xeon,
+/// docs/BENCHMARKS.md, twenty-seventh pass) one run a thread beat two by 0.2-0.4 ms in three
+/// pairs of runs, and four lost 0.5-1.5 ms.
+const STREAM_RUNS: usize = 1;
 /// Deepest input [`matmul_avx512`] takes: the gathers' 32-bit offsets reach `15 * i`.
 pub(super) const MAX_DEPTH: usize = i32::MAX as usize / 16;
 
@@ -63,11 +73,15 @@ pub(super) unsafe fn matmul_avx512(
     i: usize,
     o: usize,
 ) {
+    thread_local! {
+        /// A thread's copy of the panel it works on (reused across calls).
+        static BLOCK: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    }
     let bands = bands(x, n, i);
     let dst = Out(out.as_mut_ptr());
-    (0..o.div_ceil(NR)).into_par_iter().for_each_init(
-        || vec![0.0f32; i * NR + LINE],
-        |block, panel| {
+    team::for_each(o.div_ceil(NR), |panel| {
+        BLOCK.with_borrow_mut(|block| {
+            block.resize(i * NR + LINE, 0.0);
             let cols = panel_cols(panel, o);
             // Unaligned, every 16-lane load of the block would span two cache lines.
             let at = block.as_ptr().align_offset(64).min(LINE);
@@ -77,8 +91,8 @@ pub(super) unsafe fn matmul_avx512(
             // SAFETY: the CPU has AVX-512F (the caller's contract); this task alone writes the
             // columns `cols` of `out`, which holds `n * o` floats.
             unsafe { panel_avx512(dst, &bands, block, None, cols, n, o) };
-        },
-    );
+        })
+    });
 }
 
 /// [`matmul_avx512`] with a weight packed at load: the same tiles over `w`'s panels, without
@@ -91,28 +105,32 @@ pub(super) unsafe fn matmul_panels_avx512(out: &mut [f32], x: &[f32], w: &Panels
     let bands = bands(x, n, i);
     let dst = Out(out.as_mut_ptr());
     let panels = w.cols.len();
-    (0..panels).into_par_iter().for_each(|panel| {
-        let cols = w.cols[panel].clone();
-        // A task's next panel is usually the one after (rayon splits the range in halves).
-        let next = (panel + 1 < panels).then(|| w.panel(panel + 1));
-        // SAFETY: the CPU has AVX-512F (the caller's contract); this task alone writes the
-        // columns `cols` of `out`, which holds `n * o` floats; the panel is `[i, NR]`.
-        unsafe { panel_avx512(dst, &bands, w.panel(panel), next, cols, n, o) };
+    // Each task a run of consecutive panels, so that the next one it prefetches is its own.
+    let tasks = team::tasks(PANEL_RUNS).min(panels);
+    team::for_each(tasks, |t| {
+        let run = team::part(panels, tasks, t);
+        for panel in run.clone() {
+            let cols = w.cols[panel].clone();
+            let next = (panel + 1 < run.end).then(|| w.panel(panel + 1));
+            // SAFETY: the CPU has AVX-512F (the caller's contract); this task alone writes the
+            // columns `cols` of `out`, which holds `n * o` floats; the panel is `[i, NR]`.
+            unsafe { panel_avx512(dst, &bands, w.panel(panel), next, cols, n, o) };
+        }
     });
 }
 
 /// `out[o] = w[o, i] . x[i]` over a packed weight: each panel streamed once, in order, by one
-/// core, as broadcasts of `x` into 32 column sums (no horizontal reductions); pairs of panels
-/// are split across rayon's pool.
+/// core, as broadcasts of `x` into 32 column sums (no horizontal reductions); runs of
+/// consecutive panels are the tasks.
 ///
 /// # Safety
 /// The CPU must have AVX-512F; `out` and `x` hold `w.o` and `w.i` floats.
 pub(super) unsafe fn matvec_panels_avx512(out: &mut [f32], x: &[f32], w: &Panels) {
     let dst = Out(out.as_mut_ptr());
-    (0..w.cols.len())
-        .into_par_iter()
-        .with_min_len(2)
-        .for_each(|panel| {
+    let panels = w.cols.len();
+    let tasks = team::tasks(STREAM_RUNS).min(panels);
+    team::for_each(tasks, |t| {
+        for panel in team::part(panels, tasks, t) {
             let cols = w.cols[panel].clone();
             // SAFETY: the CPU has AVX-512F; this task alone writes `out[cols]`; the panel is
             // `[i, NR]` and `x` holds `i` floats.
@@ -124,7 +142,8 @@ pub(super) unsafe fn matvec_panels_avx512(out: &mut [f32], x: &[f32], w: &Panels
                     x,
                 )
             };
-        });
+        }
+    });
 }
 
 /// Weights `[o_k, i]` packed once as [`panel_avx512`] reads them, stacked along the output
@@ -199,11 +218,12 @@ fn panel_cols(panel: usize, o: usize) -> Range<usize> {
 /// The CPU must have AVX-512F; `x` holds `n * i` floats and `i <= MAX_DEPTH`.
 unsafe fn bands(x: &[f32], n: usize, i: usize) -> Vec<f32> {
     let mut bands = vec![0.0f32; n.div_ceil(MR) * i * MR];
-    bands
-        .par_chunks_mut((i * MR).max(1))
-        .zip(x.par_chunks((i * MR).max(1)))
+    let size = (i * MR).max(1);
+    team::for_each_chunk(&mut bands, size, |b, band| {
+        let rows = &x[b * size..((b + 1) * size).min(x.len())];
         // SAFETY: the CPU has AVX-512F; `rows` holds whole rows of `i` floats, at most `MR`.
-        .for_each(|(band, rows)| unsafe { interleave_avx512(band, rows, i) });
+        unsafe { interleave_avx512(band, rows, i) }
+    });
     bands
 }
 
