@@ -35,13 +35,12 @@ const MR: usize = 12;
 const NR: usize = 32;
 /// Floats in a cache line: the slack that lets a block start on one.
 const LINE: usize = 16;
-/// Runs of consecutive panels a packed product of several rows is cut into, per thread.
-const PANEL_RUNS: usize = 2;
-/// Runs of consecutive panels a packed matrix-vector product is cut into, per thread: one,
-/// each thread streaming its share in order. On the catalog's decode step (2-vCPU Xeon,
-/// docs/BENCHMARKS.md, twenty-seventh pass) one run a thread beat two by 0.2-0.4 ms in three
-/// pairs of runs, and four lost 0.5-1.5 ms.
-const STREAM_RUNS: usize = 1;
+/// Runs of consecutive panels a packed product is cut into, per thread: one, each thread
+/// streaming its share in order (and prefetching its own next panel). On the catalog
+/// (2-vCPU Xeon, docs/BENCHMARKS.md, twenty-seventh pass), against two runs a thread: the
+/// decode step's matvecs 0.2-0.4 ms faster in three pairs of runs (four runs lost 0.5-1.5 ms),
+/// the 22-token extend faster in five pairs of six (by about 1 ms in the median).
+const RUNS: usize = 1;
 /// Deepest input [`matmul_avx512`] takes: the gathers' 32-bit offsets reach `15 * i`.
 pub(super) const MAX_DEPTH: usize = i32::MAX as usize / 16;
 
@@ -106,7 +105,7 @@ pub(super) unsafe fn matmul_panels_avx512(out: &mut [f32], x: &[f32], w: &Panels
     let dst = Out(out.as_mut_ptr());
     let panels = w.cols.len();
     // Each task a run of consecutive panels, so that the next one it prefetches is its own.
-    let tasks = team::tasks(PANEL_RUNS).min(panels);
+    let tasks = team::tasks(RUNS).min(panels);
     team::for_each(tasks, |t| {
         let run = team::part(panels, tasks, t);
         for panel in run.clone() {
@@ -128,7 +127,7 @@ pub(super) unsafe fn matmul_panels_avx512(out: &mut [f32], x: &[f32], w: &Panels
 pub(super) unsafe fn matvec_panels_avx512(out: &mut [f32], x: &[f32], w: &Panels) {
     let dst = Out(out.as_mut_ptr());
     let panels = w.cols.len();
-    let tasks = team::tasks(STREAM_RUNS).min(panels);
+    let tasks = team::tasks(RUNS).min(panels);
     team::for_each(tasks, |t| {
         for panel in team::part(panels, tasks, t) {
             let cols = w.cols[panel].clone();
