@@ -229,9 +229,7 @@ pub fn matmul_few(out: &mut [f32], x: &[f32], w: &[f32], n: usize, i: usize, o: 
         transposed.resize(o * n, 0.0f32);
         &mut transposed
     };
-    team::for_each_chunk(t, ROWS * n, |c, t| {
-        few_rows(t, x, &w[c * ROWS * i..][..t.len() / n * i], n, i)
-    });
+    team::for_each_chunk_zip(t, ROWS * n, w, ROWS * i, |t, w| few_rows(t, x, w, n, i));
     if n > 1 {
         for (r, out) in out.chunks_exact_mut(o).enumerate() {
             for (c, out) in out.iter_mut().enumerate() {
@@ -486,8 +484,7 @@ pub fn matvec(out: &mut [f32], x: &[f32], w: &[f32], i: usize, o: usize) {
     assert_eq!(x.len(), i, "matvec: x");
     assert_eq!(w.len(), o * i, "matvec: w");
     let rows = stream_rows(o);
-    team::for_each_chunk(out, rows, |c, out| {
-        let w = &w[c * rows * i..][..out.len() * i];
+    team::for_each_chunk_zip(out, rows, w, rows * i, |out, w| {
         #[cfg(target_arch = "x86_64")]
         if avx512f() {
             for (o, row) in out.iter_mut().zip(w.chunks_exact(i)) {
@@ -526,8 +523,7 @@ pub fn matvec_q8_i16(out: &mut [i32], x: &[i16], q: &[i8], i: usize, o: usize) {
         "matvec_q8_i16: |x| up to {peak} could overflow an i32 sum of {i} products"
     );
     let rows = stream_rows(o);
-    team::for_each_chunk(out, rows, |c, out| {
-        let q = &q[c * rows * i..][..out.len() * i];
+    team::for_each_chunk_zip(out, rows, q, rows * i, |out, q| {
         #[cfg(target_arch = "x86_64")]
         if avx512bw() {
             for (o, row) in out.iter_mut().zip(q.chunks_exact(i)) {
@@ -841,8 +837,7 @@ pub fn geglu(out: &mut [f32], gate_up: &[f32], f: usize) {
     assert!(out.len().is_multiple_of(f), "geglu: out is not rows of {f}");
     // Tasks of at least 4096 outputs: one for a decode step's single row.
     let rows = 4096usize.div_ceil(f);
-    team::for_each_chunk(out, rows * f, |c, out| {
-        let gate_up = &gate_up[c * rows * 2 * f..][..2 * out.len()];
+    team::for_each_chunk_zip(out, rows * f, gate_up, rows * 2 * f, |out, gate_up| {
         for (out, gate_up) in out.chunks_exact_mut(f).zip(gate_up.chunks_exact(2 * f)) {
             let (gate, up) = gate_up.split_at(f);
             #[cfg(target_arch = "x86_64")]

@@ -173,8 +173,8 @@ impl Clone for ReferenceKv {
     /// from one malloc arena (the thread's own) and is reused from it when states are released.
     fn clone(&self) -> Self {
         let mut layers: Vec<LayerKv> = self.layers.iter().map(LayerKv::empty_like).collect();
-        team::for_each_chunk(&mut layers, 1, |l, dst| {
-            let ((dk, dv), (sk, sv)) = (dst[0].buffers_mut(), self.layers[l].buffers());
+        team::for_each_chunk_zip(&mut layers, 1, &self.layers, 1, |dst, src| {
+            let ((dk, dv), (sk, sv)) = (dst[0].buffers_mut(), src[0].buffers());
             dk.extend_from_slice(sk);
             dv.extend_from_slice(sv);
         });

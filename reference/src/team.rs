@@ -282,6 +282,25 @@ pub fn for_each_chunk<T: Send>(data: &mut [T], size: usize, f: impl Fn(usize, &m
     });
 }
 
+/// `out` in chunks of `size` beside `input` in chunks of `input_size` (the last of either may
+/// be shorter), `f(out_chunk, input_chunk)` run for each pair as [`for_each`] runs its tasks:
+/// pairs while both sides have a chunk, as rayon's `par_chunks_mut(..).zip(par_chunks(..))`.
+pub fn for_each_chunk_zip<T: Send, U: Sync>(
+    out: &mut [T],
+    size: usize,
+    input: &[U],
+    input_size: usize,
+    f: impl Fn(&mut [T], &[U]) + Sync,
+) {
+    let input_size = input_size.max(1);
+    for_each_chunk(out, size, |c, chunk| {
+        let start = c * input_size;
+        if start < input.len() {
+            f(chunk, &input[start..(start + input_size).min(input.len())]);
+        }
+    });
+}
+
 /// `[f(0), .., f(tasks - 1)]`, the calls run as [`for_each`] runs its tasks.
 pub fn map<T: Send>(tasks: usize, f: impl Fn(usize) -> T + Sync) -> Vec<T> {
     let mut out: Vec<Option<T>> = (0..tasks).map(|_| None).collect();
@@ -355,6 +374,26 @@ mod tests {
         for (i, x) in data.iter().enumerate() {
             assert_eq!(*x, (i / 64) as u32 + 1, "element {i}");
         }
+    }
+
+    #[test]
+    fn zipped_chunks_pair_up_while_both_sides_have_one() {
+        // 10 chunks of 3 outputs beside 10 of 2 inputs (the last of each shorter).
+        let input: Vec<u32> = (0..19).collect();
+        let mut out = vec![0u32; 29];
+        for_each_chunk_zip(&mut out, 3, &input, 2, |o, i| {
+            assert!(o.len() == 3 || o.len() == 2, "{}", o.len());
+            o.fill(i.iter().sum::<u32>() + 1);
+        });
+        for (k, x) in out.iter().enumerate() {
+            let c = k / 3;
+            let want = input[2 * c..(2 * c + 2).min(19)].iter().sum::<u32>() + 1;
+            assert_eq!(*x, want, "output {k}");
+        }
+        // More output chunks than input ones: the unpaired ones are not touched.
+        let mut out = vec![0u32; 12];
+        for_each_chunk_zip(&mut out, 3, &input[..4], 2, |o, _| o.fill(7));
+        assert_eq!(out, [7, 7, 7, 7, 7, 7, 0, 0, 0, 0, 0, 0]);
     }
 
     #[test]

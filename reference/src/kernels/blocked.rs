@@ -218,8 +218,7 @@ fn panel_cols(panel: usize, o: usize) -> Range<usize> {
 unsafe fn bands(x: &[f32], n: usize, i: usize) -> Vec<f32> {
     let mut bands = vec![0.0f32; n.div_ceil(MR) * i * MR];
     let size = (i * MR).max(1);
-    team::for_each_chunk(&mut bands, size, |b, band| {
-        let rows = &x[b * size..((b + 1) * size).min(x.len())];
+    team::for_each_chunk_zip(&mut bands, size, x, size, |band, rows| {
         // SAFETY: the CPU has AVX-512F; `rows` holds whole rows of `i` floats, at most `MR`.
         unsafe { interleave_avx512(band, rows, i) }
     });
