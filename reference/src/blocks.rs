@@ -85,6 +85,12 @@ impl Linear {
         }
     }
 
+    /// The packed copy the products read, or `None` where the row-major weights serve them
+    /// (no AVX-512F, or the OS could not map the copy).
+    pub fn packed(&self) -> Option<&PackedWeight> {
+        self.packed.as_ref()
+    }
+
     /// `x [n, in] -> [n, out]`.
     pub fn forward(&self, x: &[f32]) -> Vec<f32> {
         let n = x.len() / self.inp;
@@ -170,6 +176,11 @@ impl Attention {
         })
     }
 
+    /// Its linear layers: the stacked q/k/v projection and the output projection.
+    pub fn linears(&self) -> [&Linear; 2] {
+        [&self.qkv_proj, &self.o_proj]
+    }
+
     /// Attends the chunk at positions `pos0..pos0 + n` to the cache and itself, then stores its
     /// K/V rows in `kv`.
     ///
@@ -222,6 +233,11 @@ impl Mlp {
         })
     }
 
+    /// Its linear layers: the stacked gate/up projection and the down projection.
+    pub fn linears(&self) -> [&Linear; 2] {
+        [&self.gate_up_proj, &self.down_proj]
+    }
+
     /// # Shapes
     /// `x`: `[n, hidden]`; returns `[n, hidden]`.
     pub fn forward(&self, x: &[f32]) -> Vec<f32> {
@@ -257,6 +273,12 @@ impl DecoderLayer {
             mlp: Mlp::load(cfg, w, &format!("{p}.mlp"))?,
             post_feedforward_layernorm: norm("post_feedforward_layernorm")?,
         })
+    }
+
+    /// Its linear layers, in the order a pass runs them: q/k/v, o, gate/up, down.
+    pub fn linears(&self) -> [&Linear; 4] {
+        let ([qkv, o], [gate_up, down]) = (self.self_attn.linears(), self.mlp.linears());
+        [qkv, o, gate_up, down]
     }
 
     /// `x = x + post_attn(attn(input(x)))`, then `x = x + post_ff(mlp(pre_ff(x)))`.

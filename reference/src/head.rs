@@ -114,6 +114,11 @@ impl TiedHead {
         })
     }
 
+    /// The addresses of the int8 table (see [`crate::buffer::huge_page_bytes`]).
+    pub fn addresses(&self) -> std::ops::Range<usize> {
+        self.q.addresses()
+    }
+
     /// The argmax over rows of `table . h` (lowest id on a tie), where `table` is the f32 head
     /// this was built from; `None` where the bound does not hold (a weight or `h` not finite):
     /// the caller then computes the full logits.

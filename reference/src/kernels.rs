@@ -18,6 +18,45 @@ pub fn portable_kernels() -> bool {
     *PORTABLE.get_or_init(|| std::env::var_os(PORTABLE_KERNELS_ENV).is_some_and(|v| v != "0"))
 }
 
+/// The kernels the forward pass runs on this CPU, as chosen at run time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kernels {
+    /// AVX-512F: the layers' weights packed into panels, the blocked GEMM's 12 x 32 tiles, the
+    /// int8 screen in AVX-512BW where the CPU has it.
+    Avx512,
+    /// AVX2 and FMA (no AVX-512F): row-major weights, `matmul_few`'s 4 x 1 tiles, the `gemm`
+    /// crate for a prefill.
+    Avx2,
+    /// Neither (an ARM phone's CPU, or [`PORTABLE_KERNELS_ENV`] set): plain loops the compiler
+    /// vectorises, and the `gemm` crate for a prefill.
+    Portable,
+}
+
+impl Kernels {
+    /// The kernels this process runs.
+    pub fn active() -> Self {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if avx512f() {
+                return Kernels::Avx512;
+            }
+            if avx2() {
+                return Kernels::Avx2;
+            }
+        }
+        Kernels::Portable
+    }
+
+    /// Their name: `avx512`, `avx2` or `portable`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Kernels::Avx512 => "avx512",
+            Kernels::Avx2 => "avx2",
+            Kernels::Portable => "portable",
+        }
+    }
+}
+
 /// Whether the AVX-512F kernels run: the CPU has AVX-512F and [`portable_kernels`] is off.
 #[cfg(target_arch = "x86_64")]
 pub(crate) fn avx512f() -> bool {
@@ -122,6 +161,14 @@ impl PackedWeight {
             return panels.ok().map(|panels| PackedWeight { panels });
         }
         None
+    }
+
+    /// The addresses of the packed copy (see [`crate::buffer::huge_page_bytes`]).
+    pub fn addresses(&self) -> std::ops::Range<usize> {
+        #[cfg(target_arch = "x86_64")]
+        return self.panels.addresses();
+        #[cfg(not(target_arch = "x86_64"))]
+        unreachable!("PackedWeight::new returns None off x86-64")
     }
 
     /// The weight's `(out, in)` shape.

@@ -17,5 +17,5 @@ pub mod weights;
 
 pub use buffer::LargeBuffer;
 pub use kv::ReferenceKv;
-pub use model::ReferenceModel;
+pub use model::{LoadReport, ReferenceModel};
 pub use weights::{write_safetensors, Tensor, TensorOut, Weights};

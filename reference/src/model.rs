@@ -6,10 +6,43 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use kvsnap_contract::{argmax, check, Error, KvModel, Logits, ModelConfig, Next, Result};
 
 use crate::blocks::{DecoderLayer, RmsNorm};
+use crate::buffer::huge_page_bytes;
 use crate::head::TiedHead;
-use crate::kernels::{gather_rows, matvec};
+use crate::kernels::{gather_rows, matvec, Kernels, PackedWeight};
 use crate::kv::ReferenceKv;
 use crate::weights::{Tensor, Weights};
+
+/// What a loaded [`ReferenceModel`] runs on this machine ([`ReferenceModel::load_report`]):
+/// which kernels, on how many threads, and whether what a decode step streams got the layout
+/// and the pages it was meant to. A shortfall is slower, never wrong, so loading does not fail
+/// on one; a benchmark records it beside its figures.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LoadReport {
+    /// The kernels the forward pass dispatches to.
+    pub kernels: Kernels,
+    /// Threads a forward pass's kernels run on: the caller and the team's workers.
+    pub threads: usize,
+    /// Linear layers (q/k/v, o, gate/up and down in each decoder layer) whose weights are
+    /// packed into panels at load.
+    pub packed_layers: usize,
+    /// Linear layers the row-major weights serve: all of them without AVX-512F; with it, those
+    /// whose packed copy the OS could not map.
+    pub row_major_layers: usize,
+    /// Bytes of the buffers a decode step streams in whole: the packed panels and the head's
+    /// int8 table.
+    pub streamed_bytes: usize,
+    /// Of [`LoadReport::streamed_bytes`], those on transparent huge pages at the time of the
+    /// report; `None` where the OS does not say.
+    pub huge_page_bytes: Option<usize>,
+}
+
+impl LoadReport {
+    /// Whether every linear layer got the layout its kernels want: packed where the AVX-512F
+    /// kernels run (elsewhere row-major is the layout).
+    pub fn layers_as_intended(&self) -> bool {
+        self.kernels != Kernels::Avx512 || self.row_major_layers == 0
+    }
+}
 
 /// Gemma 3 text model on the CPU, immutable after loading; KV state is passed in explicitly.
 pub struct ReferenceModel {
@@ -62,6 +95,26 @@ impl ReferenceModel {
             norm,
             fault_after_layer: AtomicUsize::new(0),
         })
+    }
+
+    /// What this model runs on: its kernels, threads, packed layers and huge pages (read now:
+    /// the kernel may move pages onto huge ones after the load).
+    pub fn load_report(&self) -> LoadReport {
+        let linears: Vec<_> = self.layers.iter().flat_map(|l| l.linears()).collect();
+        let mut ranges: Vec<_> = linears
+            .iter()
+            .filter_map(|l| l.packed().map(PackedWeight::addresses))
+            .collect();
+        let packed_layers = ranges.len();
+        ranges.push(self.head.addresses());
+        LoadReport {
+            kernels: Kernels::active(),
+            threads: rayon::current_num_threads(),
+            packed_layers,
+            row_major_layers: linears.len() - packed_layers,
+            streamed_bytes: ranges.iter().map(|r| r.len()).sum(),
+            huge_page_bytes: huge_page_bytes(&ranges),
+        }
     }
 
     /// Test-only fault injection: the next forward pass (of any operation, on any thread) fails

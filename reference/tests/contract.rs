@@ -4,6 +4,7 @@
 use std::path::PathBuf;
 
 use kvsnap_contract::{Error, KvModel, Logits, Next, Tolerance};
+use kvsnap_reference::kernels::Kernels;
 use kvsnap_reference::tiny::{write_model, Preset, DEFAULT_SEED};
 use kvsnap_reference::ReferenceModel;
 
@@ -243,4 +244,41 @@ fn broken_model_dirs_name_the_problem() {
         ),
         "{e}"
     );
+}
+
+/// The load report counts the tiny model's linear layers (four a decoder layer: q/k/v, o,
+/// gate/up, down), packed where the AVX-512F kernels run, and the bytes a step streams: each
+/// weight's panels (its rows rounded up to whole panels of 32) and the head's int8 table.
+#[test]
+fn the_load_report_counts_the_layers_and_what_a_step_streams() {
+    let model = tiny();
+    let cfg = model.config();
+    let r = model.load_report();
+    assert_eq!(r.kernels, Kernels::active());
+    assert!(r.threads >= 1);
+    assert_eq!(r.packed_layers + r.row_major_layers, 4 * cfg.num_layers());
+    let (h, hd, f) = (cfg.hidden_size, cfg.head_dim, cfg.intermediate_size);
+    let (q, kv) = (cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd);
+    // (rows, depth) of each weight of a layer, the stacked ones part by part.
+    let weights = [(q, h), (kv, h), (kv, h), (h, q), (f, h), (f, h), (h, f)];
+    let panels: usize = weights
+        .iter()
+        .map(|&(rows, depth)| rows.div_ceil(32) * 32 * depth * 4)
+        .sum();
+    let head = cfg.vocab_size * h;
+    if r.kernels == Kernels::Avx512 {
+        assert_eq!(r.row_major_layers, 0, "{r:?}");
+        assert_eq!(r.streamed_bytes, cfg.num_layers() * panels + head, "{r:?}");
+    } else {
+        eprintln!("no AVX-512F kernels here: the layers are row-major, only the head is streamed");
+        assert_eq!(r.packed_layers, 0, "{r:?}");
+        assert_eq!(r.streamed_bytes, head, "{r:?}");
+    }
+    assert!(r.layers_as_intended());
+    if cfg!(target_os = "linux") {
+        let huge = r.huge_page_bytes.expect("Linux has /proc/self/smaps");
+        assert!(huge <= r.streamed_bytes, "{r:?}");
+    } else {
+        assert_eq!(r.huge_page_bytes, None);
+    }
 }

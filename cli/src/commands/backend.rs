@@ -6,6 +6,10 @@
 use std::fmt;
 use std::str::FromStr;
 
+use kvsnap_iree::IreeModel;
+use kvsnap_reference::ReferenceModel;
+use serde_json::{json, Value};
+
 /// The backends a command can run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Backend {
@@ -49,14 +53,71 @@ impl FromStr for Backend {
     }
 }
 
-/// Says on stderr when the reference runs its portable kernels
-/// ([`kvsnap_reference::kernels::PORTABLE_KERNELS_ENV`]), before it loads.
-pub fn note_reference_kernels() {
-    if kvsnap_reference::kernels::portable_kernels() {
-        eprintln!(
-            "reference: the portable kernels ({} is set; no AVX-512 or AVX2)",
+/// Says on stderr what the loaded reference runs on ([`kvsnap_reference::LoadReport`]), and
+/// warns where its layers did not get the packed layout their kernels want.
+pub fn note_reference_load(model: &ReferenceModel) {
+    let r = model.load_report();
+    let why = if kvsnap_reference::kernels::portable_kernels() {
+        format!(
+            " ({} is set)",
             kvsnap_reference::kernels::PORTABLE_KERNELS_ENV
+        )
+    } else {
+        String::new()
+    };
+    let layers = r.packed_layers + r.row_major_layers;
+    let huge = r.huge_page_bytes.map_or(String::new(), |b| {
+        format!(", {:.0} MB of them on huge pages", b as f64 / 1e6)
+    });
+    eprintln!(
+        "reference: {} kernels{why} on {} threads; {} of {layers} linear layers packed; a \
+         decode step streams {:.0} MB{huge}",
+        r.kernels.name(),
+        r.threads,
+        r.packed_layers,
+        r.streamed_bytes as f64 / 1e6,
+    );
+    if !r.layers_as_intended() {
+        eprintln!(
+            "warning: {} of {layers} linear layers run row-major: the OS could not map their \
+             packed copy (slower, the same results)",
+            r.row_major_layers
         );
+    }
+}
+
+/// What loading a backend's model found, recorded beside the benchmarks' figures.
+pub trait LoadFacts {
+    /// The facts as a JSON object.
+    fn load_facts(&self) -> Value;
+}
+
+impl LoadFacts for ReferenceModel {
+    fn load_facts(&self) -> Value {
+        let r = self.load_report();
+        json!({
+            "kernels": r.kernels.name(),
+            "threads": r.threads,
+            "packed_layers": r.packed_layers,
+            "row_major_layers": r.row_major_layers,
+            "streamed_bytes": r.streamed_bytes,
+            "huge_page_bytes": r.huge_page_bytes,
+        })
+    }
+}
+
+impl LoadFacts for IreeModel {
+    fn load_facts(&self) -> Value {
+        let r = self.load_report();
+        json!({
+            "mlir_bytes": r.mlir_bytes,
+            "compile_s": r.compile.as_secs_f64(),
+            "cache_hit": r.cache_hit,
+            "zero_copy_imports": r.imports.zero_copy,
+            "zero_copy_bytes": r.imports.zero_copy_bytes,
+            "copied_imports": r.imports.copied,
+            "copied_bytes": r.imports.copied_bytes,
+        })
     }
 }
 
@@ -102,8 +163,8 @@ macro_rules! with_model {
         let backend = $backend;
         match backend {
             $crate::commands::backend::Backend::Reference => {
-                $crate::commands::backend::note_reference_kernels();
                 let model = kvsnap_reference::ReferenceModel::load($dir)?;
+                $crate::commands::backend::note_reference_load(&model);
                 let $m = &model;
                 $body
             }
@@ -118,3 +179,27 @@ macro_rules! with_model {
     }};
 }
 pub(crate) use with_model;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvsnap_reference::tiny::{write_model, Preset, DEFAULT_SEED};
+
+    /// The reference's facts in a benchmark's JSON are its load report, key by key.
+    #[test]
+    fn reference_load_facts_are_its_load_report() {
+        let dir = std::env::temp_dir().join(format!("kvsnap-load-facts-{}", std::process::id()));
+        write_model(&dir, Preset::Tiny, DEFAULT_SEED).unwrap();
+        let model = ReferenceModel::load(&dir).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        let (facts, r) = (model.load_facts(), model.load_report());
+        assert_eq!(facts["kernels"], r.kernels.name());
+        assert_eq!(facts["threads"], r.threads);
+        assert_eq!(facts["packed_layers"], r.packed_layers);
+        assert_eq!(facts["row_major_layers"], r.row_major_layers);
+        assert_eq!(facts["streamed_bytes"], r.streamed_bytes);
+        assert_eq!(facts["huge_page_bytes"], json!(r.huge_page_bytes));
+        let layers = kvsnap_contract::KvModel::config(&model).num_layers();
+        assert_eq!(r.packed_layers + r.row_major_layers, 4 * layers);
+    }
+}

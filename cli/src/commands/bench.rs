@@ -28,7 +28,7 @@ use kvsnap_contract::KvModel;
 use kvsnap_parity::GoldenSet;
 use serde_json::{json, Value};
 
-use super::backend::{vulkan_target, with_model, Backend};
+use super::backend::{vulkan_target, with_model, Backend, LoadFacts};
 use floor::CostModel;
 use limits::Limits;
 
@@ -231,7 +231,7 @@ fn load_and_run(args: &Args, scenario: ModelScenario) -> anyhow::Result<Value> {
 /// the two is kept: the machine is shared, and a limit is the best it can do). The peak RSS is
 /// reset after the first measurement so that it is the scenario's own, not the bandwidth
 /// buffer's.
-fn run_model<M: KvModel>(
+fn run_model<M: KvModel + LoadFacts>(
     model: &M,
     w: &Workload,
     args: &Args,
@@ -313,6 +313,7 @@ fn run_model<M: KvModel>(
     );
     fields.insert("cpu_share".into(), json!(cpu_share));
     fields.insert("peak_rss_reset".into(), json!(rss_reset));
+    fields.insert("load".into(), model.load_facts());
     if args.backend == Backend::IreeVulkan {
         // Which SPIR-V the figures are of: null is IREE's generic environment.
         fields.insert("vulkan_target".into(), json!(vulkan_target()?));

@@ -112,13 +112,14 @@ fn longest(cases: &[&Case]) -> usize {
 /// Loads the reference model with room for the longest selected case.
 fn load_reference(dir: &Path, cases: &[&Case]) -> anyhow::Result<ReferenceModel> {
     let longest = longest(cases);
-    super::backend::note_reference_kernels();
     let model = if longest > DEFAULT_CONTEXT_CAPACITY {
         ReferenceModel::load_with_capacity(dir, longest)
     } else {
         ReferenceModel::load(dir)
-    };
-    model.with_context(|| format!("loading the reference model from {}", dir.display()))
+    }
+    .with_context(|| format!("loading the reference model from {}", dir.display()))?;
+    super::backend::note_reference_load(&model);
+    Ok(model)
 }
 
 /// Runs the checker and prints the per-run lines and the summary.

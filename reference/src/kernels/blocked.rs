@@ -199,6 +199,11 @@ impl Panels {
         &self.data[p * self.i * NR..][..self.i * NR]
     }
 
+    /// The addresses of the panels' buffer.
+    pub(super) fn addresses(&self) -> std::ops::Range<usize> {
+        self.data.addresses()
+    }
+
     /// The packed weights' `[out, in]` shape (`out` summed over them).
     pub(super) fn shape(&self) -> (usize, usize) {
         (self.o, self.i)
