@@ -230,12 +230,14 @@ fn import_weight(
 /// Builds the screened head's tensors ([`graphs::screen_specs`]) from the f32 table, as
 /// `kvsnap_reference::head::TiedHead` computes them, and uploads them; returns them in call
 /// order and whether every weight of the table is finite (else the screen must not be used).
-/// The table's pages, all read here, are released from this process's RSS afterwards.
+/// The table's pages, all read here, are released from this process's RSS afterwards. The
+/// int8 panels' import counts in `imports`; the scales and bounds (8 bytes a row) are uploads.
 fn import_screen(
     device: &Device,
     table: &Tensor,
     cfg: &ModelConfig,
     specs: &[graphs::TensorSpec],
+    imports: &mut ImportStats,
 ) -> Result<(Vec<BufferView>, bool)> {
     let hidden = cfg.hidden_size;
     let mapping = |op: &str, e: std::io::Error| Error::Backend {
@@ -250,7 +252,8 @@ fn import_screen(
     let mut panels = LargeBuffer::<i8>::zeroed(bytes)
         .map_err(|e| mapping("pack the screened head's int8 table", e))?;
     graphs::pack_panels(head.q(), hidden, graphs::TABLE_LANES, &mut panels);
-    let q8 = BufferView::import_host(device, panels, &specs[0].dims, ElementType::I8)?.0;
+    let (q8, mode) = BufferView::import_host(device, panels, &specs[0].dims, ElementType::I8)?;
+    imports.add(&mode, q8.byte_length() as u64);
     let scale = BufferView::from_f32(device, &specs[1].dims, head.scale())?;
     let slack = BufferView::from_f32(device, &specs[2].dims, head.slack())?;
     Ok((vec![q8, scale, slack], head.is_finite()))
@@ -317,17 +320,7 @@ impl IreeModel {
             .weights()
             .map(|spec| {
                 let (view, mode) = import_weight(&device, &file, &hf, spec)?;
-                let bytes = view.byte_length() as u64;
-                match mode {
-                    ImportMode::ZeroCopy => {
-                        imports.zero_copy += 1;
-                        imports.zero_copy_bytes += bytes;
-                    }
-                    ImportMode::Copied { .. } => {
-                        imports.copied += 1;
-                        imports.copied_bytes += bytes;
-                    }
-                }
+                imports.add(&mode, view.byte_length() as u64);
                 Ok(view)
             })
             .collect::<Result<Vec<_>>>()?;
@@ -336,11 +329,8 @@ impl IreeModel {
         let mut screen = false;
         let mut weights = weights;
         if !screen_specs.is_empty() {
-            let (views, finite) = import_screen(&device, &embed_tokens, &cfg, &screen_specs)?;
-            for view in &views {
-                imports.copied += 1;
-                imports.copied_bytes += view.byte_length() as u64;
-            }
+            let (views, finite) =
+                import_screen(&device, &embed_tokens, &cfg, &screen_specs, &mut imports)?;
             weights.extend(views);
             screen = finite;
         }

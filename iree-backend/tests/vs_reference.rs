@@ -7,7 +7,7 @@ use std::sync::OnceLock;
 
 use kvsnap_contract::{KvModel, Logits, Next, Tolerance};
 use kvsnap_iree::compile::{Compiler, Target};
-use kvsnap_iree::graphs::{HeadMode, Input, Role};
+use kvsnap_iree::graphs::{DType, HeadMode, Input, Role};
 use kvsnap_iree::{IreeModel, IreeOptions};
 use kvsnap_reference::tiny::{write_model, Preset, DEFAULT_SEED};
 use kvsnap_reference::ReferenceModel;
@@ -337,6 +337,31 @@ fn kv_bytes_are_the_allocated_buffers(p: &Pair) {
         p.iree.kv_bytes(&kv),
         (rows * 2 * cfg.kv_row() * 4 + ring.rows * 4) as u64
     );
+}
+
+/// On the CPU the load report counts one import per weight argument and one for the int8
+/// screen table (its scales and bounds are uploads), with their bytes, and each wraps the host
+/// memory in place (page-aligned buffers): none is copied.
+#[test]
+fn cpu_imports_every_weight_in_place() {
+    let Some(p) = pair(Target::LlvmCpu) else {
+        return;
+    };
+    let imports = p.iree.load_report().imports;
+    let entry = &p.iree.manifest().entry_points[0];
+    let screen = entry.screen().take(1).count();
+    let bytes: usize = entry
+        .weights()
+        .chain(entry.screen().take(screen))
+        .map(|t| t.dims.iter().product::<usize>() * if t.dtype == DType::I8 { 1 } else { 4 })
+        .sum();
+    assert_eq!(imports.copied, 0, "{imports:?}");
+    assert_eq!(
+        imports.zero_copy,
+        (entry.weights().count() + screen) as u64,
+        "{imports:?}"
+    );
+    assert_eq!(imports.zero_copy_bytes, bytes as u64, "{imports:?}");
 }
 
 /// The real Gemma 3 270M (`$KVSNAP_REAL_MODEL`, default `models/gemma-3-270m`): parity with the

@@ -94,6 +94,22 @@ pub struct ImportStats {
     pub copied_bytes: u64,
 }
 
+impl ImportStats {
+    /// Counts one import of `bytes` that took the path `mode`.
+    pub fn add(&mut self, mode: &ImportMode, bytes: u64) {
+        match mode {
+            ImportMode::ZeroCopy => {
+                self.zero_copy += 1;
+                self.zero_copy_bytes += bytes;
+            }
+            ImportMode::Copied { .. } => {
+                self.copied += 1;
+                self.copied_bytes += bytes;
+            }
+        }
+    }
+}
+
 /// A HAL device and its allocator. Cheap to clone (shared handle).
 ///
 /// Thread safety: IREE HAL devices, allocators and queues are internally synchronised, so a
