@@ -65,14 +65,19 @@ impl Target {
         }
     }
 
-    /// The `iree-compile` flags selecting this target (input is always StableHLO). On llvm-cpu
-    /// IREE's microkernels are off: the mmt4d microkernel has no tile for the projections'
-    /// 32-lane panels and falls back to a scalar loop (about 40x slower), while the compiler's
-    /// own code runs them as 8 x 32 register tiles (see `graphs::PROJECTION_LANES`).
+    /// The `iree-compile` flags selecting this target (input is always StableHLO). Every entry
+    /// point takes IREE's coarse-fences ABI (`--iree-execution-model=async-external`): it
+    /// returns once its work is queued and signals a fence the caller passes, which the
+    /// runtime waits on itself (`runtime::wait`: IREE's own wait spins where a worker it
+    /// preempted has yet to finish). On llvm-cpu IREE's microkernels are off: the mmt4d
+    /// microkernel has no tile for the projections' 32-lane panels and falls back to a scalar
+    /// loop (about 40x slower), while the compiler's own code runs them as 8 x 32 register
+    /// tiles (see `graphs::PROJECTION_LANES`).
     pub fn flags(self) -> Vec<String> {
         let flags: &[&str] = match self {
             Target::LlvmCpu => &[
                 "--iree-input-type=stablehlo",
+                "--iree-execution-model=async-external",
                 "--iree-hal-target-device=local",
                 "--iree-hal-local-target-device-backends=llvm-cpu",
                 "--iree-llvmcpu-target-cpu=host",
@@ -80,6 +85,7 @@ impl Target {
             ],
             Target::VulkanSpirv => &[
                 "--iree-input-type=stablehlo",
+                "--iree-execution-model=async-external",
                 "--iree-hal-target-device=vulkan",
             ],
         };

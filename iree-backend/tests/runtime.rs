@@ -139,6 +139,39 @@ fn add_two_tensors() {
     }
 }
 
+#[test]
+fn entry_points_take_fences_and_a_synchronous_module_still_runs() {
+    for (device, target) in devices() {
+        let fenced = load(&device, target, ADD);
+        assert!(fenced.takes_fences("add").unwrap(), "{target:?}");
+        // The execution model IREE compiles by default: each entry point waits inside IREE.
+        let compiled = Compiler::discover()
+            .unwrap()
+            .with_extra_flags(["--iree-execution-model=async-internal"])
+            .compile(ADD, target, &mut |p| eprintln!("{p}"))
+            .expect("compile");
+        let plain = Session::new(&device, &compiled.vmfb).unwrap();
+        assert!(!plain.takes_fences("add").unwrap(), "{target:?}");
+        let a = BufferView::from_f32(&device, &[4], &[1.0, 2.0, 3.0, 4.0]).unwrap();
+        let b = BufferView::from_f32(&device, &[4], &[0.5, 0.25, -3.0, 8.0]).unwrap();
+        for session in [&fenced, &plain] {
+            // Back to back, so a later call can never read an earlier one's unfinished result.
+            for round in 0..50 {
+                let out = session.call("add", &[&a, &b]).unwrap();
+                assert_eq!(
+                    out[0].to_f32_vec().unwrap(),
+                    vec![1.5, 2.25, 0.0, 12.0],
+                    "{target:?}, round {round}"
+                );
+            }
+        }
+        assert!(matches!(
+            fenced.takes_fences("nope"),
+            Err(Error::Backend { .. })
+        ));
+    }
+}
+
 /// How IREE treated the cache argument of one call.
 #[derive(Debug)]
 struct InPlace {

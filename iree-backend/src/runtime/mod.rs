@@ -20,6 +20,7 @@ mod ffi;
 mod instance;
 mod session;
 mod status;
+mod wait;
 
 pub(crate) use buffer::as_bytes;
 pub use buffer::{BufferView, ElementType, Transfer, HOST_IMPORT_ALIGNMENT};

@@ -11,6 +11,7 @@ use super::buffer::BufferView;
 use super::device::Device;
 use super::ffi::{self, sys};
 use super::status::{backend_error, check, consume_to_string};
+use super::wait;
 
 /// One argument of [`Session::call_args`]: a buffer view, or an `i32` passed by value (a
 /// function argument of MLIR type `i32`, which the module's host program reads directly).
@@ -194,6 +195,16 @@ impl Session {
         &self.device
     }
 
+    /// Whether `function` takes IREE's coarse-fences ABI, as kvsnap compiles every entry point
+    /// (`--iree-execution-model=async-external`): [`Session::call`] then passes it a signal
+    /// fence and waits for it on the calling thread, parked. A function compiled synchronously
+    /// (a module built with another execution model) is called as it is and waits inside IREE.
+    ///
+    /// Errors: a function the module does not export.
+    pub fn takes_fences(&self, function: &str) -> Result<bool> {
+        Ok(self.resolve(function)?.1)
+    }
+
     /// Calls the exported function `function` with buffer-view arguments and returns its results.
     /// Synchronous: when it returns, the results (and any argument IREE updated in place) hold
     /// their final values.
@@ -213,7 +224,7 @@ impl Session {
     pub fn call_args(&self, function: &str, inputs: &[Arg]) -> Result<Vec<BufferView>> {
         let backend = self.device.backend();
         let op = || format!("call {}.{function}", self.module_name);
-        let resolved = self.resolve(function)?;
+        let (resolved, fenced) = self.resolve(function)?;
         let foreign = inputs.iter().enumerate().find_map(|(i, a)| match a {
             Arg::View(b) if !b.device().same_device(&self.device) => Some((i, b)),
             _ => None,
@@ -255,9 +266,34 @@ impl Session {
             };
             check(backend, || format!("{}: pass inputs", op()), status)?;
         }
+        // A coarse-fences function returns once its work is queued: no wait fence (its inputs
+        // are ready), and a signal fence at 1 on a fresh semaphore that this thread waits on.
+        let signal = if fenced {
+            let signal = Signal::new(&self.device)?;
+            // SAFETY: the list is live; a null ref is the absent wait fence; the fence ref
+            // retained for the list is handed to it (or released if the push fails).
+            let status = unsafe {
+                let mut none = sys::iree_vm_ref_t::default();
+                let status = sys::iree_vm_list_push_ref_move(input_list.0, &mut none);
+                if status.is_null() {
+                    let mut r = sys::iree_hal_fence_retain_ref(signal.fence);
+                    let status = sys::iree_vm_list_push_ref_move(input_list.0, &mut r);
+                    if !status.is_null() {
+                        sys::iree_vm_ref_release(&mut r);
+                    }
+                    status
+                } else {
+                    status
+                }
+            };
+            check(backend, || format!("{}: pass fences", op()), status)?;
+            Some(signal)
+        } else {
+            None
+        };
         let output_list = VmList::new(4, backend)?;
-        // SAFETY: context, function and lists are live; the invocation is synchronous and `self`
-        // is not shared between threads (`!Sync`), so the context runs one invocation at a time.
+        // SAFETY: context, function and lists are live; `self` is not shared between threads
+        // (`!Sync`), so the context runs one invocation at a time.
         let status = unsafe {
             sys::iree_vm_invoke(
                 self.context,
@@ -270,6 +306,10 @@ impl Session {
             )
         };
         check(backend, op, status)?;
+        if let Some(signal) = &signal {
+            // SAFETY: `signal` holds the semaphore until after the wait.
+            unsafe { wait::wait_for(signal.semaphore, 1, backend, op)? };
+        }
 
         // SAFETY: the output list is live.
         let count = unsafe { sys::iree_vm_list_size(output_list.0) };
@@ -301,7 +341,9 @@ impl Session {
         Ok(outputs)
     }
 
-    fn resolve(&self, function: &str) -> Result<sys::iree_vm_function_t> {
+    /// The exported function `function`, and whether it takes the coarse-fences ABI (a wait
+    /// and a signal fence after its arguments, returning once its work is queued).
+    fn resolve(&self, function: &str) -> Result<(sys::iree_vm_function_t, bool)> {
         let full_name = format!("{}.{function}", self.module_name);
         let mut resolved = sys::iree_vm_function_t {
             module: std::ptr::null_mut(),
@@ -317,7 +359,14 @@ impl Session {
             )
         };
         if status.is_null() {
-            return Ok(resolved);
+            // SAFETY: `resolved` was filled in; the attribute view points into the module.
+            let model = unsafe {
+                ffi::string_from_view(sys::iree_vm_function_lookup_attr_by_name(
+                    &resolved,
+                    ffi::string_view("iree.abi.model"),
+                ))
+            };
+            return Ok((resolved, model == "coarse-fences"));
         }
         let text = consume_to_string(status);
         Err(backend_error(
@@ -338,6 +387,59 @@ impl std::fmt::Debug for Session {
             .field("functions", &self.functions)
             .field("device", &self.device)
             .finish()
+    }
+}
+
+/// A call's signal: a fresh semaphore and the fence that has it reach 1, both released on drop.
+struct Signal {
+    semaphore: *mut sys::iree_hal_semaphore_t,
+    fence: *mut sys::iree_hal_fence_t,
+}
+
+impl Signal {
+    fn new(device: &Device) -> Result<Signal> {
+        let backend = device.backend();
+        let raw = device.inner.raw;
+        let mut signal = Signal {
+            semaphore: std::ptr::null_mut(),
+            fence: std::ptr::null_mut(),
+        };
+        // SAFETY: the device is live; out-pointers into `signal`, which releases what is set.
+        let status = unsafe {
+            sys::iree_hal_semaphore_create(
+                raw,
+                ffi::QUEUE_AFFINITY_ANY,
+                0,
+                sys::iree_hal_semaphore_flag_bits_t_IREE_HAL_SEMAPHORE_FLAG_DEFAULT as _,
+                &mut signal.semaphore,
+            )
+        };
+        check(backend, || "create a call's semaphore".into(), status)?;
+        // SAFETY: the semaphore is live; the fence retains it.
+        let status = unsafe {
+            sys::iree_hal_fence_create_at(
+                signal.semaphore,
+                1,
+                sys::iree_hal_device_host_allocator(raw),
+                &mut signal.fence,
+            )
+        };
+        check(backend, || "create a call's signal fence".into(), status)?;
+        Ok(signal)
+    }
+}
+
+impl Drop for Signal {
+    fn drop(&mut self) {
+        // SAFETY: each non-null pointer holds one reference owned by this value.
+        unsafe {
+            if !self.fence.is_null() {
+                sys::iree_hal_fence_release(self.fence);
+            }
+            if !self.semaphore.is_null() {
+                sys::iree_hal_semaphore_release(self.semaphore);
+            }
+        }
     }
 }
 
