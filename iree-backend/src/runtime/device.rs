@@ -9,6 +9,7 @@ use kvsnap_contract::{Error, Result};
 use super::ffi::{self, sys};
 use super::instance::Instance;
 use super::status::{backend_error, check};
+use super::wait;
 
 /// Which HAL driver a [`Device`] runs on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -402,18 +403,10 @@ impl Device {
             submit(wait, signal),
         );
         if result.is_ok() {
-            // SAFETY: the semaphore is live; the wait blocks until it reaches 1 (or the
-            // operation fails, which IREE reports as a status carrying the failure).
-            let status = unsafe {
-                sys::iree_hal_device_wait_semaphores(
-                    self.inner.raw,
-                    sys::iree_async_wait_mode_e_IREE_ASYNC_WAIT_MODE_ALL as _,
-                    signal,
-                    ffi::infinite_timeout(),
-                    sys::iree_async_wait_flag_bits_e_IREE_ASYNC_WAIT_FLAG_NONE as _,
-                )
-            };
-            result = check(backend, || format!("{}: wait", op()), status);
+            // SAFETY: the semaphore is live until after the wait, which returns when it
+            // reaches 1 or with the failure of the operation (`runtime::wait`: parked, not in
+            // IREE's wait, which can spin on the signalling thread's CPU).
+            result = unsafe { wait::wait_for(semaphore, 1, backend, || format!("{}: wait", op())) };
         }
         // SAFETY: our one reference; the queue holds its own while it needs one.
         unsafe { sys::iree_hal_semaphore_release(semaphore) };
