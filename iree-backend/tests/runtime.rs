@@ -424,6 +424,42 @@ fn resident_bytes() -> u64 {
 }
 
 #[test]
+fn twenty_thousand_calls_keep_memory_flat() {
+    // Each call creates a semaphore, its signal fence and a timepoint block (`runtime::wait`):
+    // a leak of any of them, a few hundred bytes, would be several MiB over these calls.
+    const CALLS: usize = 20_000;
+    for (device, target) in devices() {
+        let session = load(&device, target, ADD);
+        let a = BufferView::from_f32(&device, &[4], &[1.0, 2.0, 3.0, 4.0]).unwrap();
+        let call = || {
+            let out = session.call("add", &[&a, &a]).unwrap();
+            assert_eq!(out.len(), 1);
+        };
+        let views_before = device.live_buffer_views();
+        for _ in 0..200 {
+            call(); // warm-up: pools and caches reach their steady size
+        }
+        let rss_warm = resident_bytes();
+        let start = std::time::Instant::now();
+        for _ in 0..CALLS {
+            call();
+        }
+        let rss_growth = resident_bytes().saturating_sub(rss_warm);
+        eprintln!(
+            "{}: {CALLS} calls in {:?}, resident growth {} KiB",
+            target.name(),
+            start.elapsed(),
+            rss_growth / 1024
+        );
+        assert_eq!(device.live_buffer_views(), views_before, "{target:?}");
+        assert!(
+            rss_growth < 2 << 20,
+            "{target:?}: resident size grew by {rss_growth} bytes over {CALLS} calls"
+        );
+    }
+}
+
+#[test]
 fn thousand_allocate_copy_release_cycles_keep_memory_flat() {
     // 64 KiB per buffer: a leak of one buffer per cycle would be 64 MiB (or 128 MiB), far above the
     // resident-size slack below.
