@@ -9,7 +9,7 @@ use kvsnap_contract::{Error, Result};
 use super::ffi::{self, sys};
 use super::instance::Instance;
 use super::status::{backend_error, check};
-use super::wait;
+use super::wait::Semaphore;
 
 /// Which HAL driver a [`Device`] runs on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -374,18 +374,8 @@ impl Device {
         ) -> sys::iree_status_t,
     ) -> Result<()> {
         let backend = self.backend();
-        let mut semaphore: *mut sys::iree_hal_semaphore_t = std::ptr::null_mut();
-        // SAFETY: the device is live; out-pointer to a local.
-        let status = unsafe {
-            sys::iree_hal_semaphore_create(
-                self.inner.raw,
-                ffi::QUEUE_AFFINITY_ANY,
-                0,
-                sys::iree_hal_semaphore_flag_bits_t_IREE_HAL_SEMAPHORE_FLAG_DEFAULT as _,
-                &mut semaphore,
-            )
-        };
-        check(backend, || format!("{}: create semaphore", op()), status)?;
+        let semaphore = Semaphore::new(self, 0, || format!("{}: create semaphore", op()))?;
+        let mut raw = semaphore.raw();
         let mut value: u64 = 1;
         let wait = sys::iree_hal_semaphore_list_t {
             count: 0,
@@ -394,23 +384,15 @@ impl Device {
         };
         let signal = sys::iree_hal_semaphore_list_t {
             count: 1,
-            semaphores: &mut semaphore,
+            semaphores: &mut raw,
             payload_values: &mut value,
         };
-        let mut result = check(
+        check(
             backend,
             || format!("{}: submit", op()),
             submit(wait, signal),
-        );
-        if result.is_ok() {
-            // SAFETY: the semaphore is live until after the wait, which returns when it
-            // reaches 1 or with the failure of the operation (`runtime::wait`: parked, not in
-            // IREE's wait, which can spin on the signalling thread's CPU).
-            result = unsafe { wait::wait_for(semaphore, 1, backend, || format!("{}: wait", op())) };
-        }
-        // SAFETY: our one reference; the queue holds its own while it needs one.
-        unsafe { sys::iree_hal_semaphore_release(semaphore) };
-        result
+        )?;
+        semaphore.wait(1, backend, || format!("{}: wait", op()))
     }
 }
 

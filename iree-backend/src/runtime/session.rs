@@ -11,7 +11,7 @@ use super::buffer::BufferView;
 use super::device::Device;
 use super::ffi::{self, sys};
 use super::status::{backend_error, check, consume_to_string};
-use super::wait;
+use super::wait::Semaphore;
 
 /// One argument of [`Session::call_args`]: a buffer view, or an `i32` passed by value (a
 /// function argument of MLIR type `i32`, which the module's host program reads directly).
@@ -270,23 +270,23 @@ impl Session {
         // are ready), and a signal fence at 1 on a fresh semaphore that this thread waits on.
         let signal = if fenced {
             let signal = Signal::new(&self.device)?;
-            // SAFETY: the list is live; a null ref is the absent wait fence; the fence ref
-            // retained for the list is handed to it (or released if the push fails).
+            let fences = || format!("{}: pass fences", op());
+            // SAFETY: the list is live; a null ref is the absent wait fence.
             let status = unsafe {
-                let mut none = sys::iree_vm_ref_t::default();
-                let status = sys::iree_vm_list_push_ref_move(input_list.0, &mut none);
-                if status.is_null() {
-                    let mut r = sys::iree_hal_fence_retain_ref(signal.fence);
-                    let status = sys::iree_vm_list_push_ref_move(input_list.0, &mut r);
-                    if !status.is_null() {
-                        sys::iree_vm_ref_release(&mut r);
-                    }
-                    status
-                } else {
-                    status
-                }
+                sys::iree_vm_list_push_ref_move(input_list.0, &mut sys::iree_vm_ref_t::default())
             };
-            check(backend, || format!("{}: pass fences", op()), status)?;
+            check(backend, fences, status)?;
+            // SAFETY: the list is live; the reference retained for it is handed to it, or
+            // released if the push fails.
+            let status = unsafe {
+                let mut r = sys::iree_hal_fence_retain_ref(signal.fence);
+                let status = sys::iree_vm_list_push_ref_move(input_list.0, &mut r);
+                if !status.is_null() {
+                    sys::iree_vm_ref_release(&mut r);
+                }
+                status
+            };
+            check(backend, fences, status)?;
             Some(signal)
         } else {
             None
@@ -307,8 +307,7 @@ impl Session {
         };
         check(backend, op, status)?;
         if let Some(signal) = &signal {
-            // SAFETY: `signal` holds the semaphore until after the wait.
-            unsafe { wait::wait_for(signal.semaphore, 1, backend, op)? };
+            signal.semaphore.wait(1, backend, op)?;
         }
 
         // SAFETY: the output list is live.
@@ -392,54 +391,36 @@ impl std::fmt::Debug for Session {
 
 /// A call's signal: a fresh semaphore and the fence that has it reach 1, both released on drop.
 struct Signal {
-    semaphore: *mut sys::iree_hal_semaphore_t,
+    semaphore: Semaphore,
     fence: *mut sys::iree_hal_fence_t,
 }
 
 impl Signal {
     fn new(device: &Device) -> Result<Signal> {
-        let backend = device.backend();
-        let raw = device.inner.raw;
-        let mut signal = Signal {
-            semaphore: std::ptr::null_mut(),
-            fence: std::ptr::null_mut(),
-        };
-        // SAFETY: the device is live; out-pointers into `signal`, which releases what is set.
-        let status = unsafe {
-            sys::iree_hal_semaphore_create(
-                raw,
-                ffi::QUEUE_AFFINITY_ANY,
-                0,
-                sys::iree_hal_semaphore_flag_bits_t_IREE_HAL_SEMAPHORE_FLAG_DEFAULT as _,
-                &mut signal.semaphore,
-            )
-        };
-        check(backend, || "create a call's semaphore".into(), status)?;
-        // SAFETY: the semaphore is live; the fence retains it.
+        let semaphore = Semaphore::new(device, 0, || "create a call's semaphore".into())?;
+        let mut fence = std::ptr::null_mut();
+        // SAFETY: the semaphore is live; the fence retains it; out-pointer to a local.
         let status = unsafe {
             sys::iree_hal_fence_create_at(
-                signal.semaphore,
+                semaphore.raw(),
                 1,
-                sys::iree_hal_device_host_allocator(raw),
-                &mut signal.fence,
+                sys::iree_hal_device_host_allocator(device.inner.raw),
+                &mut fence,
             )
         };
-        check(backend, || "create a call's signal fence".into(), status)?;
-        Ok(signal)
+        check(
+            device.backend(),
+            || "create a call's signal fence".into(),
+            status,
+        )?;
+        Ok(Signal { semaphore, fence })
     }
 }
 
 impl Drop for Signal {
     fn drop(&mut self) {
-        // SAFETY: each non-null pointer holds one reference owned by this value.
-        unsafe {
-            if !self.fence.is_null() {
-                sys::iree_hal_fence_release(self.fence);
-            }
-            if !self.semaphore.is_null() {
-                sys::iree_hal_semaphore_release(self.semaphore);
-            }
-        }
+        // SAFETY: the one reference `new` created.
+        unsafe { sys::iree_hal_fence_release(self.fence) };
     }
 }
 

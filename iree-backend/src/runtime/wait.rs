@@ -1,4 +1,5 @@
-//! Waiting for a call's signal semaphore on the calling thread, parked, without a spin.
+//! A HAL semaphore the host owns ([`Semaphore`]), and waiting for it on the calling thread,
+//! parked, without a spin.
 //!
 //! IREE 3.13's own host wait (`iree_hal_fence_wait`, and the `hal.fence.await` a synchronous
 //! entry point ends with) registers a timepoint whose state lives on the waiter's stack. The
@@ -9,7 +10,7 @@
 //! two-core host one decode step in five or ten took 4-6 ms longer (docs/BENCHMARKS.md,
 //! twenty-ninth pass).
 //!
-//! [`wait_for`] registers its own timepoint in a reference-counted block instead: the callback
+//! [`Semaphore::wait`] registers its own timepoint in a reference-counted block instead: the callback
 //! records the status, marks it done, unparks the waiter and drops its reference, in that
 //! order, and the waiter returns as soon as it sees the mark. Nothing waits for the callback to
 //! finish, because whichever side drops the block last frees it.
@@ -21,8 +22,62 @@ use std::thread::{self, Thread};
 
 use kvsnap_contract::Result;
 
-use super::ffi::sys;
+use super::device::Device;
+use super::ffi::{self, sys};
 use super::status::check;
+
+/// A timeline semaphore on one device, one reference owned, released on drop.
+pub(crate) struct Semaphore(*mut sys::iree_hal_semaphore_t);
+
+// SAFETY: IREE's semaphores are thread-safe; the one reference is released once, on drop.
+unsafe impl Send for Semaphore {}
+// SAFETY: as above.
+unsafe impl Sync for Semaphore {}
+
+impl Semaphore {
+    /// A semaphore on `device` at `initial`; `op` names what it is for in an error.
+    pub(crate) fn new(device: &Device, initial: u64, op: impl FnOnce() -> String) -> Result<Self> {
+        let mut raw = std::ptr::null_mut();
+        // SAFETY: the device is live; out-pointer to a local.
+        let status = unsafe {
+            sys::iree_hal_semaphore_create(
+                device.inner.raw,
+                ffi::QUEUE_AFFINITY_ANY,
+                initial,
+                sys::iree_hal_semaphore_flag_bits_t_IREE_HAL_SEMAPHORE_FLAG_DEFAULT as _,
+                &mut raw,
+            )
+        };
+        check(device.backend(), op, status)?;
+        Ok(Semaphore(raw))
+    }
+
+    /// The handle, for IREE calls that retain what they keep.
+    pub(crate) fn raw(&self) -> *mut sys::iree_hal_semaphore_t {
+        self.0
+    }
+
+    /// Blocks the calling thread until the semaphore reaches `value`, parked.
+    ///
+    /// Errors: the semaphore's failure (an execution error of the work that signals it), with
+    /// IREE's status text, under `op`.
+    pub(crate) fn wait(
+        &self,
+        value: u64,
+        backend: &'static str,
+        op: impl Fn() -> String,
+    ) -> Result<()> {
+        // SAFETY: `self` holds a reference until this returns.
+        unsafe { wait_for(self.0, value, backend, op) }
+    }
+}
+
+impl Drop for Semaphore {
+    fn drop(&mut self) {
+        // SAFETY: the one reference `new` created; IREE's queues hold their own.
+        unsafe { sys::iree_hal_semaphore_release(self.0) };
+    }
+}
 
 /// One registered wait: the timepoint IREE links into the semaphore, and what its callback
 /// reports to the parked thread.
@@ -62,15 +117,12 @@ unsafe extern "C" fn reached(
     // Dropping `waiter` is the callback's last touch of the block.
 }
 
-/// Blocks the calling thread until `semaphore` reaches `value`, parked.
-///
-/// Errors: the semaphore's failure (an execution error of the work that signals it), with
-/// IREE's status text, under `op`.
+/// [`Semaphore::wait`].
 ///
 /// # Safety
 /// `semaphore` must be a live HAL semaphore (every HAL semaphore embeds its async semaphore
 /// at offset 0) that stays alive until this returns.
-pub(crate) unsafe fn wait_for(
+unsafe fn wait_for(
     semaphore: *mut sys::iree_hal_semaphore_t,
     value: u64,
     backend: &'static str,
@@ -118,43 +170,15 @@ mod tests {
     use kvsnap_contract::Error;
 
     use super::*;
-    use crate::runtime::{Device, Instance};
-
-    /// A HAL semaphore on `device` starting at `initial`, released on drop.
-    struct Semaphore(*mut sys::iree_hal_semaphore_t);
-
-    // SAFETY: IREE's semaphores are thread-safe; the handle is released once, on drop.
-    unsafe impl Send for Semaphore {}
-    // SAFETY: as above.
-    unsafe impl Sync for Semaphore {}
+    use crate::runtime::Instance;
 
     impl Semaphore {
-        fn new(device: &Device, initial: u64) -> Semaphore {
-            let mut raw = std::ptr::null_mut();
-            // SAFETY: the device is live; out-pointer to a local.
-            let status = unsafe {
-                sys::iree_hal_semaphore_create(
-                    device.inner.raw,
-                    super::super::ffi::QUEUE_AFFINITY_ANY,
-                    initial,
-                    sys::iree_hal_semaphore_flag_bits_t_IREE_HAL_SEMAPHORE_FLAG_DEFAULT as _,
-                    &mut raw,
-                )
-            };
-            check("iree-cpu", || "create semaphore".into(), status).unwrap();
-            Semaphore(raw)
+        fn at(initial: u64) -> Semaphore {
+            Semaphore::new(&device(), initial, || "create semaphore".into()).unwrap()
         }
 
-        fn wait(&self, value: u64) -> Result<()> {
-            // SAFETY: `self` keeps the semaphore alive across the call.
-            unsafe { wait_for(self.0, value, "iree-cpu", || "test wait".into()) }
-        }
-    }
-
-    impl Drop for Semaphore {
-        fn drop(&mut self) {
-            // SAFETY: one reference, created in `new`.
-            unsafe { sys::iree_hal_semaphore_release(self.0) };
+        fn test_wait(&self, value: u64) -> Result<()> {
+            self.wait(value, "iree-cpu", || "test wait".into())
         }
     }
 
@@ -165,14 +189,14 @@ mod tests {
 
     #[test]
     fn a_value_already_reached_returns_at_once() {
-        let semaphore = Semaphore::new(&device(), 3);
-        semaphore.wait(2).unwrap();
-        semaphore.wait(3).unwrap();
+        let semaphore = Semaphore::at(3);
+        semaphore.test_wait(2).unwrap();
+        semaphore.test_wait(3).unwrap();
     }
 
     #[test]
     fn parks_until_another_thread_signals() {
-        let semaphore = Arc::new(Semaphore::new(&device(), 0));
+        let semaphore = Arc::new(Semaphore::at(0));
         let start = Instant::now();
         let signaller = {
             let semaphore = Arc::clone(&semaphore);
@@ -180,11 +204,11 @@ mod tests {
                 thread::sleep(Duration::from_millis(40));
                 // SAFETY: the Arc keeps the semaphore alive; no frontier.
                 let status =
-                    unsafe { sys::iree_hal_semaphore_signal(semaphore.0, 1, std::ptr::null()) };
+                    unsafe { sys::iree_hal_semaphore_signal(semaphore.raw(), 1, std::ptr::null()) };
                 check("iree-cpu", || "signal".into(), status).unwrap();
             })
         };
-        semaphore.wait(1).unwrap();
+        semaphore.test_wait(1).unwrap();
         assert!(
             start.elapsed() >= Duration::from_millis(40),
             "returned before the signal, after {:?}",
@@ -196,18 +220,19 @@ mod tests {
             let shared = Arc::clone(&semaphore);
             let t = thread::spawn(move || {
                 // SAFETY: as above.
-                let status =
-                    unsafe { sys::iree_hal_semaphore_signal(shared.0, value, std::ptr::null()) };
+                let status = unsafe {
+                    sys::iree_hal_semaphore_signal(shared.raw(), value, std::ptr::null())
+                };
                 check("iree-cpu", || "signal".into(), status).unwrap();
             });
-            semaphore.wait(value).unwrap();
+            semaphore.test_wait(value).unwrap();
             t.join().unwrap();
         }
     }
 
     #[test]
     fn a_failed_semaphore_is_an_error_carrying_its_status() {
-        let semaphore = Arc::new(Semaphore::new(&device(), 0));
+        let semaphore = Arc::new(Semaphore::at(0));
         let failer = {
             let semaphore = Arc::clone(&semaphore);
             thread::spawn(move || {
@@ -219,13 +244,13 @@ mod tests {
                         sys::iree_status_code_e_IREE_STATUS_ABORTED as _,
                         c"test".as_ptr(),
                         1,
-                        super::super::ffi::string_view(text),
+                        ffi::string_view(text),
                     );
-                    sys::iree_hal_semaphore_fail(semaphore.0, status);
+                    sys::iree_hal_semaphore_fail(semaphore.raw(), status);
                 }
             })
         };
-        let err = semaphore.wait(1).unwrap_err();
+        let err = semaphore.test_wait(1).unwrap_err();
         failer.join().unwrap();
         match err {
             Error::Backend {
@@ -239,6 +264,6 @@ mod tests {
             other => panic!("expected a backend error, got {other:?}"),
         }
         // A later wait on the failed semaphore fails at once rather than hanging.
-        assert!(semaphore.wait(1).is_err());
+        assert!(semaphore.test_wait(1).is_err());
     }
 }
