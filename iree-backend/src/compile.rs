@@ -233,6 +233,37 @@ pub struct Compiled {
     pub key: String,
 }
 
+/// An object file a module links into its executables (`hal.executable.objects` naming it by
+/// `name`, a bare file name): the compiler finds it in the directory passed with
+/// `--iree-hal-executable-object-search-path`, where [`Compiler::compile_tuned`] writes it.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct LinkedObject {
+    /// The file name the module refers to it by.
+    pub name: &'static str,
+    /// Its bytes (an ELF object for the target).
+    pub bytes: &'static [u8],
+}
+
+impl std::fmt::Debug for LinkedObject {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "LinkedObject({}, {} bytes)", self.name, self.bytes.len())
+    }
+}
+
+/// Writes `object` into `dir` under its name unless a file there already holds its bytes,
+/// through a file named with `unique` and a rename, so that parallel compiles never see a
+/// half-written object.
+fn write_object(dir: &Path, object: &LinkedObject, unique: &str) -> Result<()> {
+    let path = dir.join(object.name);
+    if std::fs::read(&path).is_ok_and(|bytes| bytes == object.bytes) {
+        return Ok(());
+    }
+    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    let tmp = dir.join(format!("{}.{unique}.tmp", object.name));
+    std::fs::write(&tmp, object.bytes).map_err(|e| Error::io(&tmp, e))?;
+    std::fs::rename(&tmp, &path).map_err(|e| Error::io(&path, e))
+}
+
 /// A located and version-checked `iree-compile`, plus the cache it compiles into.
 #[derive(Debug, Clone)]
 pub struct Compiler {
@@ -396,11 +427,18 @@ impl Compiler {
 
     /// The cache key of compiling `mlir` for `target` with this compiler.
     pub fn cache_key(&self, mlir: &str, target: Target) -> String {
-        self.tuned_cache_key(mlir, None, target)
+        self.tuned_cache_key(mlir, None, &[], target)
     }
 
-    /// The cache key of compiling `mlir` with the tuning spec `spec` (its text) for `target`.
-    pub fn tuned_cache_key(&self, mlir: &str, spec: Option<&str>, target: Target) -> String {
+    /// The cache key of compiling `mlir` with the tuning spec `spec` (its text) and the linked
+    /// `objects` for `target`.
+    pub fn tuned_cache_key(
+        &self,
+        mlir: &str,
+        spec: Option<&str>,
+        objects: &[LinkedObject],
+        target: Target,
+    ) -> String {
         let mut h = Sha256::new();
         h.update(b"kvsnap-iree-compile-v1\0");
         h.update(mlir.as_bytes());
@@ -408,6 +446,13 @@ impl Compiler {
         if let Some(spec) = spec {
             h.update(b"tuning-spec\0");
             h.update(spec.as_bytes());
+            h.update(b"\0");
+        }
+        for object in objects {
+            h.update(b"object\0");
+            h.update(object.name.as_bytes());
+            h.update(b"\0");
+            h.update(object.bytes);
             h.update(b"\0");
         }
         for flag in self.flags(target) {
@@ -429,19 +474,22 @@ impl Compiler {
         target: Target,
         progress: &mut dyn FnMut(&CompileProgress),
     ) -> Result<Compiled> {
-        self.compile_tuned(mlir, None, target, progress)
+        self.compile_tuned(mlir, None, &[], target, progress)
     }
 
     /// [`Compiler::compile`] with an IREE tuning spec (the text of a transform module, passed
-    /// as `--iree-codegen-tuning-spec-path`); the spec is part of the cache key.
+    /// as `--iree-codegen-tuning-spec-path`) and the objects the module links (written into
+    /// the cache's `objects` directory, passed as `--iree-hal-executable-object-search-path`);
+    /// both are part of the cache key.
     pub fn compile_tuned(
         &self,
         mlir: &str,
         spec: Option<&str>,
+        objects: &[LinkedObject],
         target: Target,
         progress: &mut dyn FnMut(&CompileProgress),
     ) -> Result<Compiled> {
-        let key = self.tuned_cache_key(mlir, spec, target);
+        let key = self.tuned_cache_key(mlir, spec, objects, target);
         let vmfb_path = self.cache_dir.join(format!("{key}.{}.vmfb", target.name()));
         if vmfb_path.is_file() {
             let vmfb = std::fs::read(&vmfb_path).map_err(|e| Error::io(&vmfb_path, e))?;
@@ -483,6 +531,16 @@ impl Compiler {
             }
             None => None,
         };
+        if !objects.is_empty() {
+            let dir = self.cache_dir.join("objects");
+            for object in objects {
+                write_object(&dir, object, &unique)?;
+            }
+            flags.push(format!(
+                "--iree-hal-executable-object-search-path={}",
+                dir.display()
+            ));
+        }
         let tmp_path = self.cache_dir.join(format!("{unique}.tmp"));
 
         let op = format!("compile for {}", target.name());

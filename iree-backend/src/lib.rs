@@ -5,6 +5,7 @@
 pub mod compile;
 pub mod emit;
 pub mod graphs;
+pub mod kernels;
 pub mod kv;
 pub mod model;
 pub mod module;

@@ -49,6 +49,10 @@ pub struct IreeOptions {
     /// embeddings-input graphs on Vulkan (rows gathered on the host from the memory-mapped
     /// weights, as the Mali path needs) and the ids-input graphs on the CPU.
     pub input: Option<Input>,
+    /// Link kvsnap's own kernels into llvm-cpu modules where this build and host have them
+    /// ([`crate::kernels`]: the chunks' panel products on AVX-512); `false` keeps IREE's code
+    /// for everything.
+    pub own_kernels: bool,
 }
 
 impl IreeOptions {
@@ -62,6 +66,7 @@ impl IreeOptions {
             capacity: None,
             verbose: false,
             input: None,
+            own_kernels: true,
         }
     }
 
@@ -95,6 +100,9 @@ pub struct LoadReport {
     pub cache_hit: bool,
     /// How this model's weights reached the device.
     pub imports: ImportStats,
+    /// The objects the module links (kvsnap's own kernels, [`IreeOptions::own_kernels`]), by
+    /// file name.
+    pub objects: Vec<String>,
 }
 
 /// Gemma 3 on IREE. Immutable after loading; KV states are [`IreeKv`] values.
@@ -340,6 +348,7 @@ impl IreeModel {
             compile,
             cache_hit,
             imports,
+            objects: g.objects.iter().map(|o| o.name.to_string()).collect(),
         };
         let kv_specs = first
             .kv()
@@ -681,6 +690,9 @@ pub fn model_graphs(cfg: &ModelConfig, opts: &IreeOptions) -> graphs::Graphs {
     }
     .for_config(cfg);
     graph_opts.input = opts.chosen_input();
+    if !opts.own_kernels {
+        graph_opts.object_products = None;
+    }
     graphs::build(cfg, &chunks, graph_opts)
 }
 
@@ -748,6 +760,7 @@ pub fn compile_graphs(
     compiler.compile_tuned(
         &g.mlir,
         g.tuning_spec.as_deref(),
+        &g.objects,
         target,
         &mut |p: &CompileProgress| {
             if verbose {

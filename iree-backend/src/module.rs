@@ -5,7 +5,9 @@
 //! `kvsnap.<target>.json` (format, target, sha256 of the MLIR, compiler version, the GPU a Vulkan
 //! module was compiled for, if one), and
 //! `kvsnap.<target>.tuning.mlir` when the module was compiled with a tuning spec (to repeat the
-//! compile by hand: `--iree-codegen-tuning-spec-path`). Loading checks
+//! compile by hand: `--iree-codegen-tuning-spec-path`), and the objects it links under the
+//! names its MLIR gives them (`kvsnap_mmt4d_avx512_<hash>.o`, [`crate::kernels`]; by hand:
+//! `--iree-hal-executable-object-search-path=DIR`). Loading checks
 //! that the module was compiled from exactly the MLIR this model's config produces, so a module
 //! built for another config (vocab, layers, capacity, chunk sizes) is a typed error, not a crash
 //! inside IREE.
@@ -114,6 +116,7 @@ pub fn export_with(
     let compiled = compiler.compile_tuned(
         &graphs.mlir,
         graphs.tuning_spec.as_deref(),
+        &graphs.objects,
         target,
         progress,
     )?;
@@ -133,6 +136,12 @@ pub fn export_with(
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
             Err(e) => return Err(Error::io(&spec_path, e)),
         },
+    }
+    // The objects the MLIR links, by the names it gives them: with the spec, enough to repeat
+    // the compile by hand (`--iree-hal-executable-object-search-path=DIR`).
+    for object in &graphs.objects {
+        let path = dir.join(object.name);
+        std::fs::write(&path, object.bytes).map_err(|e| Error::io(&path, e))?;
     }
     Ok((graphs, compiled))
 }

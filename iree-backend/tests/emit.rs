@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use std::process::Command;
 
 use kvsnap_contract::{LayerKind, ModelConfig};
-use kvsnap_iree::compile::Compiler;
+use kvsnap_iree::compile::{Compiler, LinkedObject};
 use kvsnap_iree::emit::{Cmp, DotDims, ElemType, FuncBuilder, Module, Reduction, TensorType};
 use kvsnap_iree::graphs::{
     self, entry_name, head_modes, span_entry_name, DType, GraphOptions, HeadMode, Input, Role,
@@ -225,6 +225,20 @@ fn dot_general() {
 }
 
 #[test]
+fn dispatch_calls_an_executable_entry_with_index_constants() {
+    // One constant per distinct operand value, the workload among them.
+    let t = body(&[f32t(&[2, 4]), f32t(&[3])], |b, a| {
+        b.dispatch("ex::@f", &[6], &[&a[0], &a[1]], &[6, 2, 6], f32t(&[5]));
+    });
+    assert_eq!(
+        t,
+        "%2 = arith.constant 6 : index\n\
+         %3 = arith.constant 2 : index\n\
+         %4 = flow.dispatch @ex::@f[%2](%0, %1, %2, %3, %2) : (tensor<2x4xf32>, tensor<3xf32>, index, index, index) -> tensor<5xf32>"
+    );
+}
+
+#[test]
 fn mmt4d_accumulates_packed_tiles_from_zero() {
     // lhs [M1=1, K1=4, M0=2, K0=1] . rhs [N1=3, K1=4, N0=16, K0=1] -> [1, 3, 2, 16].
     let t = body(&[f32t(&[1, 4, 2, 1]), f32t(&[3, 4, 16, 1])], |b, a| {
@@ -338,14 +352,20 @@ fn iree_compile() -> Option<PathBuf> {
         .map(|c| c.executable().to_path_buf())
 }
 
-/// Compiles `mlir` for llvm-cpu; `None` (and a visible SKIPPED line) without a compiler.
-fn compile(mlir: &str, what: &str) -> Option<()> {
-    run_compiler(mlir, what, &[]).map(|_| ())
+/// Compiles `mlir`, linking `objects`, for llvm-cpu; `None` (and a visible SKIPPED line)
+/// without a compiler.
+fn compile(mlir: &str, objects: &[LinkedObject], what: &str) -> Option<()> {
+    run_compiler(mlir, objects, what, &[]).map(|_| ())
 }
 
-/// Runs `iree-compile` for llvm-cpu on `mlir` with the `extra` flags and returns what it wrote;
-/// `None` (and a visible SKIPPED line) without a compiler.
-fn run_compiler(mlir: &str, what: &str, extra: &[&str]) -> Option<Vec<u8>> {
+/// Runs `iree-compile` for llvm-cpu on `mlir`, linking `objects`, with the `extra` flags and
+/// returns what it wrote; `None` (and a visible SKIPPED line) without a compiler.
+fn run_compiler(
+    mlir: &str,
+    objects: &[LinkedObject],
+    what: &str,
+    extra: &[&str],
+) -> Option<Vec<u8>> {
     let Some(exe) = iree_compile() else {
         eprintln!("SKIPPED: iree-compile not found ({what})");
         return None;
@@ -354,6 +374,9 @@ fn run_compiler(mlir: &str, what: &str, extra: &[&str]) -> Option<Vec<u8>> {
     std::fs::create_dir_all(&dir).unwrap();
     let src = dir.join("m.mlir");
     std::fs::write(&src, mlir).unwrap();
+    for object in objects {
+        std::fs::write(dir.join(object.name), object.bytes).unwrap();
+    }
     let out = Command::new(exe)
         .args([
             "--iree-input-type=stablehlo",
@@ -362,6 +385,10 @@ fn run_compiler(mlir: &str, what: &str, extra: &[&str]) -> Option<Vec<u8>> {
             "--iree-llvmcpu-target-cpu=generic",
         ])
         .args(extra)
+        .arg(format!(
+            "--iree-hal-executable-object-search-path={}",
+            dir.display()
+        ))
         .arg(&src)
         .arg("-o")
         .arg(dir.join("m.out"))
@@ -458,7 +485,7 @@ fn every_op_compiles() {
     let out = b.add(&out, &prefix);
     let mut module = Module::new("ops");
     module.push(b.finish(&[&out, &mx]));
-    compile(&module.text(), "ops");
+    compile(&module.text(), &[], "ops");
 }
 
 #[test]
@@ -508,7 +535,7 @@ fn no_entry_point_reads_back_before_its_end() {
         ..GraphOptions::llvm_cpu()
     };
     let g = graphs::build(&cfg, &[1, 8], opts);
-    let Some(stream) = run_compiler(&g.mlir, "stream", &["--compile-to=stream"]) else {
+    let Some(stream) = run_compiler(&g.mlir, &g.objects, "stream", &["--compile-to=stream"]) else {
         return;
     };
     let stream = String::from_utf8(stream).unwrap();
@@ -945,7 +972,7 @@ fn manifest_lists_weights_by_hf_name_in_call_order() {
 fn tiny_module_compiles() {
     for opts in [GraphOptions::vulkan(), GraphOptions::llvm_cpu()] {
         let g = graphs::build(&config(Preset::Tiny), &DEFAULT_CHUNKS, opts);
-        compile(&g.mlir, "tiny");
+        compile(&g.mlir, &g.objects, "tiny");
     }
 }
 
@@ -955,7 +982,11 @@ fn prefill_products_deeper_than_640_are_split_into_blocks() {
     // stacked arguments one per part), o (1024) two, down (2048) four; a one-row chunk has
     // none (its products are matvecs, one per stack).
     let cfg = real_config();
-    let g = graphs::build(&cfg, &[1, 64], GraphOptions::llvm_cpu());
+    let iree_products = GraphOptions {
+        object_products: None,
+        ..GraphOptions::llvm_cpu()
+    };
+    let g = graphs::build(&cfg, &[1, 64], iree_products);
     let count = g.mlir.matches("\"linalg.mmt4d\"").count();
     // The 64-row chunk's two inputs and its three spans (128, 256, 512).
     let chunks = g
@@ -979,6 +1010,54 @@ fn prefill_products_deeper_than_640_are_split_into_blocks() {
     );
     let rows = graphs::build(&cfg, &[1, 64], GraphOptions::vulkan());
     assert_eq!(rows.mlir.matches("\"linalg.mmt4d\"").count(), 0);
+}
+
+/// With kvsnap's panel-product kernel (`GraphOptions::object_products`) each projection of a
+/// chunk of a multiple of 8 rows is one dispatch to it over the whole stack and depth (q, k
+/// and v; o; gate and up; down: four a layer), the module's executable names the object, and
+/// a chunk of rows in tiles of 4 keeps IREE's `mmt4d`s (split by depth).
+#[test]
+fn object_products_dispatch_each_chunk_projection_to_the_kernel() {
+    let cfg = real_config();
+    let object = LinkedObject {
+        name: "kvsnap_test_object.o",
+        bytes: b"",
+    };
+    let opts = GraphOptions {
+        object_products: Some(object),
+        ..GraphOptions::llvm_cpu()
+    };
+    let g = graphs::build(&cfg, &[1, 12, 64], opts);
+    assert_eq!(g.objects, [object]);
+    assert!(g
+        .mlir
+        .contains(r#"#hal.executable.object<{path = "kvsnap_test_object.o"}>"#));
+    let entry_points = |c: usize| {
+        g.manifest
+            .entry_points
+            .iter()
+            .filter(|e| e.chunk == c)
+            .count()
+    };
+    let layers = cfg.num_layers();
+    let dispatches = g
+        .mlir
+        .matches("flow.dispatch @kvsnap_kernels::@mmt4d_8x32[")
+        .count();
+    assert_eq!(dispatches, entry_points(64) * layers * 4);
+    let mmt4ds = g.mlir.matches("\"linalg.mmt4d\"").count();
+    assert_eq!(mmt4ds, entry_points(12) * layers * (5 + 2 + 4));
+    // A 64-row chunk's q, k and v: 8 tiles of 8 rows against 48 panels, in runs of 3; its
+    // down product over the whole 2048-deep panels.
+    assert!(g.mlir.contains(
+        "(tensor<8x640x8x1xf32>, tensor<48x640x32xf32>, index, index, index, index) -> \
+         tensor<8x48x8x32xf32>"
+    ));
+    assert!(g
+        .mlir
+        .contains("(tensor<8x2048x8x1xf32>, tensor<20x2048x32xf32>, index, index, index, index)"));
+    let vulkan = graphs::build(&cfg, &[1, 64], GraphOptions::vulkan());
+    assert!(vulkan.objects.is_empty() && !vulkan.mlir.contains("flow.dispatch"));
 }
 
 /// The llvm-cpu module's tuning spec covers every `P . V` product its chunks run (the sliding

@@ -690,7 +690,8 @@ fn unsettled_screen_reruns_the_chunk_with_the_full_head() {
 /// rows and k and v 40 each (2.5 and 1.25 panels of 32 lanes), ffn 72 makes gate and up 2.25
 /// panels each. In panels (llvm-cpu) each part starts at a whole panel, after zero padding; in
 /// rows (Vulkan) right after the previous one. A prefill, an extend and steps match the
-/// reference on each target.
+/// reference on each target, and on llvm-cpu both with kvsnap's panel-product kernel (one
+/// product over the stack, parts sliced off; where the host has it) and with IREE's code.
 #[test]
 fn stacked_projections_with_partial_panels_match_the_reference() {
     use kvsnap_iree::graphs::PROJECTION_LANES;
@@ -705,10 +706,16 @@ fn stacked_projections_with_partial_panels_match_the_reference() {
     let (dir, cfg) = tiny_variant("stacked", config, 5, |_, _| {});
     let reference = ReferenceModel::load(&dir).unwrap();
     let seq = ids(40, 9);
-    for target in [Target::LlvmCpu, Target::VulkanSpirv] {
+    let runs = [
+        (Target::LlvmCpu, true),
+        (Target::LlvmCpu, false),
+        (Target::VulkanSpirv, true),
+    ];
+    for (target, own_kernels) in runs {
         let opts = IreeOptions {
             target,
             chunks: vec![8],
+            own_kernels,
             ..IreeOptions::cpu()
         };
         let iree = match IreeModel::load(&dir, &opts) {
@@ -719,6 +726,13 @@ fn stacked_projections_with_partial_panels_match_the_reference() {
             }
             Err(e) => panic!("IREE model on {}: {e}", target.name()),
         };
+        let linked = own_kernels
+            && target == Target::LlvmCpu
+            && kvsnap_iree::kernels::mmt4d_object().is_some();
+        assert_eq!(iree.load_report().objects.len(), usize::from(linked));
+        if own_kernels && !linked && target == Target::LlvmCpu {
+            eprintln!("SKIPPED: the panel-product kernel: not on this build or host");
+        }
         let weights: Vec<_> = iree.manifest().entry_points[0].weights().cloned().collect();
         let qkv = weights
             .iter()
@@ -733,7 +747,10 @@ fn stacked_projections_with_partial_panels_match_the_reference() {
             .find(|w| w.name == "model.layers.0.mlp.gate_up_proj.weight")
             .expect("gate and up stacked");
         let lanes = PROJECTION_LANES;
-        let (h, w) = (cfg.hidden_size, target.name());
+        let (h, w) = (
+            cfg.hidden_size,
+            format!("{} own kernels {own_kernels}", target.name()),
+        );
         match target {
             Target::LlvmCpu => {
                 assert_eq!(qkv.dims, [3 + 2 + 2, h, lanes], "{w}");

@@ -117,12 +117,14 @@ impl LoadFacts for IreeModel {
             "zero_copy_bytes": r.imports.zero_copy_bytes,
             "copied_imports": r.imports.copied,
             "copied_bytes": r.imports.copied_bytes,
+            "objects": r.objects,
         })
     }
 }
 
 /// IREE load options for `backend` (compile progress on stderr; the compiled module from
-/// `KVSNAP_MODULE_DIR`, a `kvsnap export` directory, when set).
+/// `KVSNAP_MODULE_DIR`, a `kvsnap export` directory, when set; IREE's own code for every
+/// product with `KVSNAP_OWN_KERNELS=0`).
 pub fn iree_options(backend: Backend) -> anyhow::Result<kvsnap_iree::IreeOptions> {
     let mut opts = match backend {
         Backend::IreeVulkan => kvsnap_iree::IreeOptions::vulkan(),
@@ -131,6 +133,11 @@ pub fn iree_options(backend: Backend) -> anyhow::Result<kvsnap_iree::IreeOptions
     opts.verbose = true;
     if let Some(dir) = std::env::var_os("KVSNAP_MODULE_DIR") {
         opts.module_dir = Some(dir.into());
+    }
+    match std::env::var("KVSNAP_OWN_KERNELS").as_deref() {
+        Err(_) | Ok("1") => {}
+        Ok("0") => opts.own_kernels = false,
+        Ok(other) => anyhow::bail!("KVSNAP_OWN_KERNELS must be 0 or 1, got `{other}`"),
     }
     if backend == Backend::IreeVulkan {
         if let Ok(ordinal) = std::env::var("KVSNAP_VULKAN_DEVICE") {

@@ -882,6 +882,57 @@ impl FuncBuilder {
         r
     }
 
+    /// Emits `flow.dispatch @{entry}[workload](args..., operands...)`: a call of an entry point
+    /// of one of the module's executables ([`super::Module::push_executable`]) with the tensors
+    /// `args` as its input bindings, then the `index` constants `operands`, returning a new
+    /// tensor of type `result`. `workload` (values of `operands`) goes to the entry point's
+    /// workgroup count.
+    pub fn dispatch(
+        &mut self,
+        entry: &str,
+        workload: &[usize],
+        args: &[&Value],
+        operands: &[usize],
+        result: TensorType,
+    ) -> Value {
+        assert!(
+            workload.iter().all(|w| operands.contains(w)),
+            "dispatch {entry}: workload {workload:?} not among operands {operands:?}"
+        );
+        let mut names: Vec<(usize, String)> = Vec::new();
+        for &x in operands {
+            if !names.iter().any(|(v, _)| *v == x) {
+                let name = self.fresh_name();
+                writeln!(self.body, "    {name} = arith.constant {x} : index")
+                    .expect("writing to a String");
+                names.push((x, name));
+            }
+        }
+        let name_of = |x: &usize| {
+            names
+                .iter()
+                .find(|(v, _)| v == x)
+                .map(|(_, n)| n.clone())
+                .expect("every operand has a constant")
+        };
+        let workload: Vec<String> = workload.iter().map(name_of).collect();
+        let mut all: Vec<String> = args.iter().map(|v| v.to_string()).collect();
+        all.extend(operands.iter().map(name_of));
+        let mut tys: Vec<String> = args.iter().map(|v| v.ty.to_string()).collect();
+        tys.extend(operands.iter().map(|_| "index".to_string()));
+        let r = self.fresh(result);
+        writeln!(
+            self.body,
+            "    {r} = flow.dispatch @{entry}[{}]({}) : ({}) -> {}",
+            workload.join(", "),
+            all.join(", "),
+            tys.join(", "),
+            r.ty
+        )
+        .expect("writing to a String");
+        r
+    }
+
     // ---- indexing -----------------------------------------------------------------------
 
     fn check_starts(&self, op: &str, x: &Value, starts: &[&Value]) {

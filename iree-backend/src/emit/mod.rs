@@ -11,10 +11,11 @@ mod types;
 pub use builder::{Cmp, DotDims, FuncBuilder, OpenRegion, Reduction, Region};
 pub use types::{ElemType, Scalar, TensorType, Value};
 
-/// A `module @name { ... }` of functions.
+/// A `module @name { ... }` of executables and functions.
 #[derive(Debug, Default)]
 pub struct Module {
     name: String,
+    executables: Vec<String>,
     funcs: Vec<String>,
 }
 
@@ -23,8 +24,15 @@ impl Module {
     pub fn new(name: &str) -> Self {
         Module {
             name: name.to_string(),
+            executables: Vec::new(),
             funcs: Vec::new(),
         }
+    }
+
+    /// Adds the text of an executable the functions dispatch to
+    /// ([`FuncBuilder::dispatch`]); executables come before the functions.
+    pub fn push_executable(&mut self, executable: String) {
+        self.executables.push(executable);
     }
 
     /// Adds a function's text (from [`FuncBuilder::finish`]).
@@ -35,8 +43,8 @@ impl Module {
     /// The module's MLIR text.
     pub fn text(&self) -> String {
         let mut out = format!("module @{} {{\n", self.name);
-        for f in &self.funcs {
-            out.push_str(f);
+        for text in self.executables.iter().chain(&self.funcs) {
+            out.push_str(text);
         }
         out.push_str("}\n");
         out

@@ -13,7 +13,10 @@ use kvsnap_contract::{LayerKind, ModelConfig};
 
 use super::manifest::{RingGeometry, WeightLayout, TABLE_LANES};
 use super::GraphOptions;
-use crate::emit::{Cmp, DotDims, ElemType, FuncBuilder, Reduction, Region, Scalar, Value};
+use crate::emit::{
+    Cmp, DotDims, ElemType, FuncBuilder, Reduction, Region, Scalar, TensorType, Value,
+};
+use crate::kernels;
 
 /// Mask value of invisible attention scores: finite, so that a padding row that sees no key gets
 /// a uniform (finite) softmax instead of NaN, and `exp(MASKED - max)` is exactly 0 for a row
@@ -189,6 +192,8 @@ impl<'a> Forward<'a> {
     ///   whole result unpacked before the parts are sliced off, where each part's unpack
     ///   fuses into its consumer: a 128-row chunk ran 169 ms that way against 163
     ///   (docs/BENCHMARKS.md, twenty-third pass). Rows a part's last panel pads are cut off.
+    /// - `Panels` with kvsnap's kernel ([`GraphOptions::object_products`]), for chunks of a
+    ///   multiple of 8 rows: one [`Forward::object_matmul`] over the stack, parts sliced off.
     fn linear_stack<const N: usize>(
         &mut self,
         w: &Value,
@@ -206,7 +211,8 @@ impl<'a> Forward<'a> {
             "linear: weight {} for outputs {outs:?}",
             w.ty
         );
-        if self.opts.layout == WeightLayout::Panels && c > 1 {
+        let object = self.opts.layout == WeightLayout::Panels && self.object_product_fits(w, c);
+        if self.opts.layout == WeightLayout::Panels && c > 1 && !object {
             let (cols, lanes) = (w.dims()[1], w.dims()[2]);
             return std::array::from_fn(|i| {
                 let panels = (offsets[i] / lanes, offsets[i + 1] / lanes);
@@ -228,6 +234,7 @@ impl<'a> Forward<'a> {
                 let t = self.b.dot_general(w, x, &DotDims::contract(1, 1)); // [rows, C]
                 self.b.transpose(&t, &[1, 0])
             }
+            WeightLayout::Panels if object => self.object_matmul(w, x),
             WeightLayout::Panels => {
                 let v = self.b.reshape(x, &[x.dims()[1]]);
                 let y = self.panel_matvec(w, &v);
@@ -299,6 +306,40 @@ impl<'a> Forward<'a> {
             });
         }
         let y = y.expect("a depth has at least one block");
+        let y = self.b.transpose(&y, &[0, 2, 1, 3]);
+        self.b.reshape(&y, &[c, panels * lanes])
+    }
+
+    /// Whether `x . W^T` for panels `w` and `c` rows runs in kvsnap's panel-product kernel
+    /// ([`GraphOptions::object_products`]): rows in whole tiles, panels of its lane count.
+    fn object_product_fits(&self, w: &Value, c: usize) -> bool {
+        self.opts.object_products.is_some()
+            && c > 1
+            && c.is_multiple_of(kernels::MMT4D_ROWS)
+            && w.dims()[2] == kernels::MMT4D_LANES
+    }
+
+    /// `x . W^T` for panels `w` (`[P, in, 32]`) and `C` rows `x` (`[C, in]`, `C` a multiple of
+    /// 8): `[C, 32 P]`, by kvsnap's kernel ([`kernels`]), one call over a stack of weights
+    /// (q, k and v; gate and up) whose outputs are then sliced. `x` is packed in 8-row tiles
+    /// as for `mmt4d` (`[C / 8, in, 8, 1]`); the product comes as `[C / 8, P, 8, 32]`; the
+    /// whole depth in one pass (the kernel keeps its 8-row tile in L2 while it streams).
+    fn object_matmul(&mut self, w: &Value, x: &Value) -> Value {
+        let (c, k) = (x.dims()[0], x.dims()[1]);
+        let (rows, lanes) = (kernels::MMT4D_ROWS, kernels::MMT4D_LANES);
+        let panels = w.dims()[0];
+        let m1 = c / rows;
+        let lhs = self.b.reshape(x, &[m1, rows, k]);
+        let lhs = self.b.transpose(&lhs, &[0, 2, 1]);
+        let lhs = self.b.reshape(&lhs, &[m1, k, rows, 1]);
+        let run = kernels::mmt4d_run(panels);
+        let y = self.b.dispatch(
+            kernels::MMT4D_ENTRY,
+            &[panels, run],
+            &[&lhs, w],
+            &[m1, panels, k, run],
+            TensorType::f32(&[m1, panels, rows, lanes]),
+        );
         let y = self.b.transpose(&y, &[0, 2, 1, 3]);
         self.b.reshape(&y, &[c, panels * lanes])
     }

@@ -53,7 +53,9 @@ mod tuning;
 
 use kvsnap_contract::ModelConfig;
 
+use crate::compile::LinkedObject;
 use crate::emit::{ElemType, FuncBuilder, Module, TensorType, Value};
+use crate::kernels;
 use forward::{Forward, LayerWeights, Screen};
 pub use forward::{SCREEN_BLOCK, SCREEN_BLOCKS};
 pub use manifest::{
@@ -146,16 +148,22 @@ pub struct GraphOptions {
     /// Vulkan) gets the decode step and the largest chunk only: each entry point of the real
     /// model adds about 5 s to llvm-cpu's compile.
     pub input: Input,
+    /// Run the chunks' panel products (rows in tiles of [`kernels::MMT4D_ROWS`], panels of
+    /// [`kernels::MMT4D_LANES`] lanes) in kvsnap's kernel, this object linked into the module,
+    /// instead of IREE's `linalg.mmt4d` code ([`kernels`]). Requires [`WeightLayout::Panels`].
+    pub object_products: Option<LinkedObject>,
 }
 
 impl GraphOptions {
-    /// What llvm-cpu runs best: panel matrices, branches and the screened head.
+    /// What llvm-cpu runs best: panel matrices, branches, the screened head, and the products
+    /// in kvsnap's kernel where this host and build have it ([`kernels::mmt4d_object`]).
     pub fn llvm_cpu() -> Self {
         GraphOptions {
             layout: WeightLayout::Panels,
             branches: true,
             screen: true,
             input: Input::Ids,
+            object_products: kernels::mmt4d_object(),
         }
     }
 
@@ -166,6 +174,7 @@ impl GraphOptions {
             branches: false,
             screen: false,
             input: Input::Embeddings,
+            object_products: None,
         }
     }
 
@@ -240,6 +249,8 @@ pub struct Graphs {
     /// The IREE tuning spec to compile it with, if any ([`llvm_cpu_tuning_spec`]: graphs with
     /// [`WeightLayout::Panels`] are meant for llvm-cpu).
     pub tuning_spec: Option<String>,
+    /// The objects the module links ([`GraphOptions::object_products`]).
+    pub objects: Vec<LinkedObject>,
 }
 
 /// Builds the module for `cfg` with an entry point of `opts.input` per size in `chunks`
@@ -270,6 +281,10 @@ pub fn build(cfg: &ModelConfig, chunks: &[usize], opts: GraphOptions) -> Graphs 
     );
     let ring = RingGeometry::new(cfg.sliding_window, *chunks.last().unwrap());
     let mut module = Module::new("kvsnap");
+    let objects: Vec<LinkedObject> = opts.object_products.into_iter().collect();
+    for object in &objects {
+        module.push_executable(kernels::mmt4d_executable(object));
+    }
     let mut entry_points = Vec::new();
     let largest = *chunks.last().unwrap();
     for &c in &chunks {
@@ -299,6 +314,7 @@ pub fn build(cfg: &ModelConfig, chunks: &[usize], opts: GraphOptions) -> Graphs 
     Graphs {
         mlir: module.text(),
         tuning_spec: llvm_cpu_tuning_spec(cfg, opts.table_layout(), opts.layout, &attention),
+        objects,
         manifest: Manifest {
             format: MANIFEST_FORMAT.to_string(),
             version: MANIFEST_VERSION,

@@ -1,0 +1,138 @@
+//! kvsnap's own kernels, linked into llvm-cpu modules as objects where IREE's code falls short.
+//!
+//! One so far: the chunks' panel products on AVX-512 hosts (`kernels/mmt4d_avx512.c`, compiled
+//! by the build script). IREE runs a `linalg.mmt4d` of 8-row tiles by 32-lane panels one tile
+//! at a time over the whole depth, so each panel comes from memory in its first tile and the
+//! other tiles run from cache while memory idles; the kernel runs the same tiles, with the
+//! same sums in the same order (its results are IREE's bit for bit), and prefetches the next
+//! panel while it runs them. The graphs call it through `flow.dispatch` of an executable
+//! whose `hal.executable.objects` name the object ([`mmt4d_executable`]); the compiler finds
+//! the object by name in the directory given with `--iree-hal-executable-object-search-path`
+//! ([`crate::compile::Compiler::compile_tuned`]).
+
+use std::sync::OnceLock;
+
+use sha2::{Digest, Sha256};
+
+use crate::compile::LinkedObject;
+
+/// Rows of the kernel's left-operand tiles.
+pub const MMT4D_ROWS: usize = 8;
+/// Lanes of the weight panels it takes.
+pub const MMT4D_LANES: usize = 32;
+/// Most workgroups of one product: a weight's panels are split into at most this many runs
+/// of consecutive panels (16 runs of 8 panels for gate and up, 10 of 2 for o and down).
+pub const MMT4D_MAX_GROUPS: usize = 16;
+
+/// The executable the graphs dispatch to, and its entry point.
+pub const MMT4D_ENTRY: &str = "kvsnap_kernels::@mmt4d_8x32";
+
+#[cfg(kvsnap_mmt4d_object)]
+const MMT4D_OBJECT: Option<&[u8]> =
+    Some(include_bytes!(concat!(env!("OUT_DIR"), "/mmt4d_avx512.o")));
+#[cfg(not(kvsnap_mmt4d_object))]
+const MMT4D_OBJECT: Option<&[u8]> = None;
+
+/// The panel-product object, when this build has it and this host runs AVX-512 (llvm-cpu
+/// compiles for the host's CPU). Named by its content, so that a changed kernel is a changed
+/// module (and cache key).
+pub fn mmt4d_object() -> Option<LinkedObject> {
+    static NAME: OnceLock<String> = OnceLock::new();
+    let bytes = MMT4D_OBJECT?;
+    if !host_has_avx512() {
+        return None;
+    }
+    let name = NAME.get_or_init(|| {
+        let digest = Sha256::digest(bytes);
+        let tag: String = digest[..8].iter().map(|b| format!("{b:02x}")).collect();
+        format!("kvsnap_mmt4d_avx512_{tag}.o")
+    });
+    Some(LinkedObject { name, bytes })
+}
+
+#[cfg(target_arch = "x86_64")]
+fn host_has_avx512() -> bool {
+    std::is_x86_feature_detected!("avx512f")
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn host_has_avx512() -> bool {
+    false
+}
+
+/// The `stream.executable` of the panel product, linking `object`: entry point `mmt4d_8x32`
+/// takes the packed rows (`[m1, depth, 8, 1]`), the panels (`[panels, depth, 32]`) and the
+/// index operands `m1, panels, depth, run`, and returns `[m1, panels, 8, 32]`; its
+/// `panels / run` (rounded up) workgroups each compute `run` consecutive panels.
+pub fn mmt4d_executable(object: &LinkedObject) -> String {
+    format!(
+        r#"  stream.executable private @kvsnap_kernels attributes {{
+    hal.executable.objects = #hal.executable.objects<{{
+      #hal.executable.target<"llvm-cpu", "embedded-elf-x86_64"> = [
+        #hal.executable.object<{{path = "{name}"}}>
+      ]
+    }}>
+  }} {{
+    stream.executable.export public @mmt4d_8x32 workgroups(%panels: index, %run: index) -> (index, index, index) {{
+      %x = arith.ceildivui %panels, %run : index
+      %c1 = arith.constant 1 : index
+      stream.return %x, %c1, %c1 : index, index, index
+    }}
+    builtin.module {{
+      func.func private @kvsnap_mmt4d_8x32(memref<?xf32>, memref<?xf32>, memref<?xf32>, index, index, index, index, index) attributes {{hal.import.static}}
+      func.func @mmt4d_8x32(%lhs: !stream.binding, %rhs: !stream.binding, %m1: index, %panels: index, %depth: index, %run: index, %out: !stream.binding) {{
+        %c0 = arith.constant 0 : index
+        %rows = arith.constant {rows} : index
+        %lanes = arith.constant {lanes} : index
+        %wg = stream.dispatch.workgroup.id[0] : index
+        %lhs_tiles = arith.muli %m1, %depth : index
+        %lhs_n = arith.muli %lhs_tiles, %rows : index
+        %rhs_rows = arith.muli %panels, %depth : index
+        %rhs_n = arith.muli %rhs_rows, %lanes : index
+        %out_tiles = arith.muli %m1, %panels : index
+        %out_rows = arith.muli %out_tiles, %rows : index
+        %out_n = arith.muli %out_rows, %lanes : index
+        %a = stream.binding.subspan %lhs[%c0] : !stream.binding -> memref<?xf32>{{%lhs_n}}
+        %b = stream.binding.subspan %rhs[%c0] : !stream.binding -> memref<?xf32>{{%rhs_n}}
+        %o = stream.binding.subspan %out[%c0] : !stream.binding -> memref<?xf32>{{%out_n}}
+        func.call @kvsnap_mmt4d_8x32(%a, %b, %o, %m1, %panels, %depth, %wg, %run) : (memref<?xf32>, memref<?xf32>, memref<?xf32>, index, index, index, index, index) -> ()
+        return
+      }}
+    }}
+  }}
+"#,
+        name = object.name,
+        rows = MMT4D_ROWS,
+        lanes = MMT4D_LANES,
+    )
+}
+
+/// Panels per workgroup for a product over `panels` panels: runs as long as
+/// [`MMT4D_MAX_GROUPS`] allows (the kernel prefetches within and just past a run).
+pub fn mmt4d_run(panels: usize) -> usize {
+    panels.div_ceil(MMT4D_MAX_GROUPS).max(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn runs_split_the_model_weights_into_at_most_sixteen_groups() {
+        for (panels, run) in [(128, 8), (48, 3), (20, 2), (16, 1), (1, 1), (17, 2)] {
+            assert_eq!(mmt4d_run(panels), run, "{panels} panels");
+            assert!(panels.div_ceil(run) <= MMT4D_MAX_GROUPS);
+        }
+    }
+
+    #[test]
+    fn the_object_is_named_by_its_content() {
+        let Some(object) = mmt4d_object() else {
+            eprintln!("SKIPPED: no AVX-512 panel-product object on this build or host");
+            return;
+        };
+        assert!(object.name.starts_with("kvsnap_mmt4d_avx512_") && object.name.ends_with(".o"));
+        assert_eq!(&object.bytes[..4], b"\x7fELF", "an ELF object");
+        assert_eq!(mmt4d_object().unwrap().name, object.name, "stable");
+    }
+}
