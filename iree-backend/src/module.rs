@@ -182,8 +182,10 @@ pub fn read(dir: &Path, target: Target, mlir: &str) -> Result<Vec<u8>> {
         return Err(bad_module(
             &json_path,
             format!(
-                "compiled for another model config (MLIR sha256 {}, this model's graphs are \
-                 {want}): re-run `kvsnap export` for this model",
+                "compiled for another model config, or on another kind of host (MLIR sha256 \
+                 {}, this model's graphs here are {want}; an llvm-cpu module is compiled for \
+                 its host's CPU and links kvsnap's own kernels where that CPU has AVX-512): \
+                 re-run `kvsnap export` for this model on this kind of host",
                 info.mlir_sha256
             ),
         ));
