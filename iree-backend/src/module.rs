@@ -97,22 +97,24 @@ pub fn export(
     progress: &mut dyn FnMut(&crate::compile::CompileProgress),
 ) -> Result<(crate::graphs::Graphs, crate::compile::Compiled)> {
     let compiler = crate::compile::Compiler::discover()?;
-    export_with(&compiler, dir, cfg, target, progress)
-}
-
-/// [`export`] with `compiler` (its cache, its Vulkan target).
-pub fn export_with(
-    compiler: &crate::compile::Compiler,
-    dir: &Path,
-    cfg: &kvsnap_contract::ModelConfig,
-    target: Target,
-    progress: &mut dyn FnMut(&crate::compile::CompileProgress),
-) -> Result<(crate::graphs::Graphs, crate::compile::Compiled)> {
     let opts = crate::IreeOptions {
         target,
         ..crate::IreeOptions::cpu()
     };
-    let graphs = crate::model_graphs(cfg, &opts);
+    export_with(&compiler, dir, cfg, &opts, progress)
+}
+
+/// [`export`] with `compiler` (its cache, its Vulkan target) of the module `IreeModel::load`
+/// would run with `opts` (its target, chunk sizes, input and own kernels).
+pub fn export_with(
+    compiler: &crate::compile::Compiler,
+    dir: &Path,
+    cfg: &kvsnap_contract::ModelConfig,
+    opts: &crate::IreeOptions,
+    progress: &mut dyn FnMut(&crate::compile::CompileProgress),
+) -> Result<(crate::graphs::Graphs, crate::compile::Compiled)> {
+    let target = opts.target;
+    let graphs = crate::model_graphs(cfg, opts);
     let compiled = compiler.compile_tuned(
         &graphs.mlir,
         graphs.tuning_spec.as_deref(),

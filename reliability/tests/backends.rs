@@ -117,6 +117,62 @@ mod iree_only {
         assert_eq!((got.token, got.logits), (want.token, want.logits));
     }
 
+    /// A module exported with IREE's own code for every product (`own_kernels: false`, as
+    /// `KVSNAP_OWN_KERNELS=0 kvsnap export` writes it) loads with the same option and gives the
+    /// shared model's token and logits; on a host whose modules link kvsnap's kernel, loading
+    /// it with that kernel is a typed format error naming the kind of host, the live states
+    /// untouched.
+    #[test]
+    fn module_exported_without_own_kernels() {
+        let _guard = kvsnap_reliability::shared();
+        let b = super::iree_cpu::backend();
+        let tiny = b.root.join("tiny");
+        let cfg = ModelConfig::from_file(&tiny.join("config.json"))
+            .unwrap()
+            .with_context_capacity(CAPACITY)
+            .unwrap();
+        let dir = b.root.join("module-iree-products");
+        let iree_products = IreeOptions {
+            own_kernels: false,
+            ..IreeOptions::cpu()
+        };
+        let compiler = kvsnap_iree::compile::Compiler::discover().unwrap();
+        let (graphs, _) = module::export_with(&compiler, &dir, &cfg, &iree_products, &mut |_| {})
+            .expect("exporting the tiny module with IREE's products");
+        assert!(graphs.objects.is_empty());
+
+        let from_dir = |own_kernels: bool| IreeOptions {
+            module_dir: Some(dir.clone()),
+            own_kernels,
+            ..IreeOptions::cpu()
+        };
+        if kvsnap_iree::kernels::mmt4d_object().is_some() {
+            isolated(&b.model, |_, _| {
+                let e = expect_err(
+                    iree(&tiny, CAPACITY, from_dir(true)).map(|_| ()),
+                    "format",
+                    &["another kind of host", "kvsnap.llvm-cpu.json"],
+                );
+                assert!(matches!(e, Error::Format { .. }), "{e:?}");
+            });
+        } else {
+            eprintln!("SKIPPED: the mismatch half: no panel-product kernel on this build or host");
+        }
+        let loaded = iree(&tiny, CAPACITY, from_dir(false)).expect("the module of its options");
+        assert!(loaded.load_report().cache_hit && loaded.load_report().objects.is_empty());
+        let prompt = [2, 105, 17, 300, 4];
+        let (_, want) = b.model.prefill(&prompt, Logits::Return).unwrap();
+        let (_, got) = loaded.prefill(&prompt, Logits::Return).unwrap();
+        assert_eq!(got.token, want.token);
+        let (got, want) = (got.logits.unwrap(), want.logits.unwrap());
+        let worst = got
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(worst < 1e-4, "logits differ by {worst}");
+    }
+
     /// Opening Vulkan device 99 is a typed backend error naming it, with the devices IREE's
     /// driver found; on a machine without any Vulkan device it is the typed `Unsupported` of
     /// [`kvsnap_iree::runtime::Device::vulkan`] (and without a loader, IREE's own status).

@@ -11,6 +11,8 @@ use kvsnap_contract::ModelConfig;
 use kvsnap_iree::compile::{Compiler, Target};
 use kvsnap_iree::module;
 
+use super::backend::Backend;
+
 /// Arguments of `kvsnap export`.
 #[derive(clap::Args)]
 pub struct Args {
@@ -57,11 +59,20 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             ),
         }
     }
+    // The module loading would run here: the environment's IREE options (own kernels) apply.
+    let backend = match target {
+        Target::LlvmCpu => Backend::IreeCpu,
+        Target::VulkanSpirv => Backend::IreeVulkan,
+    };
+    let opts = kvsnap_iree::IreeOptions {
+        target,
+        module_dir: None,
+        ..super::backend::iree_options(backend)?
+    };
     let start = Instant::now();
-    let (graphs, compiled) = module::export_with(&compiler, &args.out, &cfg, target, &mut |p| {
-        eprintln!("{p}")
-    })
-    .with_context(|| format!("exporting the module to {}", args.out.display()))?;
+    let (graphs, compiled) =
+        module::export_with(&compiler, &args.out, &cfg, &opts, &mut |p| eprintln!("{p}"))
+            .with_context(|| format!("exporting the module to {}", args.out.display()))?;
     let (mlir, vmfb, json) = module::paths(&args.out, target);
     println!(
         "exported {} ({} KB of MLIR, {} entry points) and {} ({:.1} MB) in {:.1} s; {}",
