@@ -597,10 +597,17 @@ fn host_import_is_zero_copy_on_cpu_for_aligned_read_only_memory() {
         assert_eq!(out[0].to_f32_vec().unwrap(), vec![11.0, 22.0, 33.0, 44.0]);
         assert_eq!(b.to_f32_vec().unwrap(), vec![10.0, 20.0, 30.0, 40.0]);
         drop((b, out));
+        // The call returns when its work has signalled; the worker that ran it releases the
+        // submission's hold on `b` just after. So the owner goes once that is done: soon,
+        // whatever the scheduling, and never while the buffer may still be read.
+        let start = std::time::Instant::now();
+        while Arc::strong_count(&map) > 1 && start.elapsed() < std::time::Duration::from_secs(5) {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
         assert_eq!(
             Arc::strong_count(&map),
             1,
-            "releasing the buffer drops the owner"
+            "releasing the buffer drops the owner once the call's work has retired"
         );
         drop(map);
         std::fs::remove_file(&path).unwrap();
