@@ -838,7 +838,8 @@ fn tail(bytes: &[u8], max: usize) -> String {
     format!("...{}", &text[start..])
 }
 
-fn hex(bytes: &[u8]) -> String {
+/// `bytes` in lowercase hexadecimal, two digits each.
+pub(crate) fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 

@@ -14,7 +14,7 @@ use std::sync::OnceLock;
 
 use sha2::{Digest, Sha256};
 
-use crate::compile::LinkedObject;
+use crate::compile::{hex, LinkedObject};
 
 /// Rows of the kernel's left-operand tiles.
 pub const MMT4D_ROWS: usize = 8;
@@ -43,8 +43,7 @@ pub fn mmt4d_object() -> Option<LinkedObject> {
         return None;
     }
     let name = NAME.get_or_init(|| {
-        let digest = Sha256::digest(bytes);
-        let tag: String = digest[..8].iter().map(|b| format!("{b:02x}")).collect();
+        let tag = hex(&Sha256::digest(bytes)[..8]);
         format!("kvsnap_mmt4d_avx512_{tag}.o")
     });
     Some(LinkedObject { name, bytes })

@@ -48,10 +48,7 @@ pub fn paths(dir: &Path, target: Target) -> (PathBuf, PathBuf, PathBuf) {
 
 /// sha256 (hex) of `mlir`.
 pub fn mlir_sha256(mlir: &str) -> String {
-    Sha256::digest(mlir.as_bytes())
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
+    crate::compile::hex(&Sha256::digest(mlir.as_bytes()))
 }
 
 /// Writes the module of `target` into `dir` (created if missing), made by the compiler of

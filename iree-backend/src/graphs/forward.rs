@@ -211,7 +211,7 @@ impl<'a> Forward<'a> {
             "linear: weight {} for outputs {outs:?}",
             w.ty
         );
-        let object = self.opts.layout == WeightLayout::Panels && self.object_product_fits(w, c);
+        let object = self.object_product_fits(w, c);
         if self.opts.layout == WeightLayout::Panels && c > 1 && !object {
             let (cols, lanes) = (w.dims()[1], w.dims()[2]);
             return std::array::from_fn(|i| {
@@ -285,9 +285,7 @@ impl<'a> Forward<'a> {
             .find(|m| c % m == 0)
             .expect("1 divides everything");
         let m1 = c / m0;
-        let lhs = self.b.reshape(x, &[m1, m0, k]);
-        let lhs = self.b.transpose(&lhs, &[0, 2, 1]);
-        let lhs = self.b.reshape(&lhs, &[m1, k, m0, 1]);
+        let lhs = self.pack_row_tiles(x, m0);
         let rhs = self.b.reshape(w, &[panels, k, lanes, 1]);
         let mut y: Option<Value> = None; // [m1, panels, m0, lanes]
         for (start, end) in depth_blocks(k) {
@@ -306,15 +304,33 @@ impl<'a> Forward<'a> {
             });
         }
         let y = y.expect("a depth has at least one block");
-        let y = self.b.transpose(&y, &[0, 2, 1, 3]);
-        self.b.reshape(&y, &[c, panels * lanes])
+        self.unpack_row_tiles(&y)
+    }
+
+    /// `x` (`[C, in]`) packed in tiles of `m0` rows as a product's left operand
+    /// (`[C / m0, in, m0, 1]`): a transpose of each tile.
+    fn pack_row_tiles(&mut self, x: &Value, m0: usize) -> Value {
+        let (c, k) = (x.dims()[0], x.dims()[1]);
+        let lhs = self.b.reshape(x, &[c / m0, m0, k]);
+        let lhs = self.b.transpose(&lhs, &[0, 2, 1]);
+        self.b.reshape(&lhs, &[c / m0, k, m0, 1])
+    }
+
+    /// A product of row tiles by panels (`[C / m0, P, m0, L]`) as rows: `[C, L P]`.
+    fn unpack_row_tiles(&mut self, y: &Value) -> Value {
+        let [m1, panels, m0, lanes] = y.dims()[..] else {
+            panic!("unpack_row_tiles: {} is not a tiled product", y.ty)
+        };
+        let y = self.b.transpose(y, &[0, 2, 1, 3]);
+        self.b.reshape(&y, &[m1 * m0, panels * lanes])
     }
 
     /// Whether `x . W^T` for panels `w` and `c` rows runs in kvsnap's panel-product kernel
-    /// ([`GraphOptions::object_products`]): rows in whole tiles, panels of its lane count.
+    /// ([`GraphOptions::object_products`]): weights in panels of its lane count, rows in whole
+    /// tiles (so more than one).
     fn object_product_fits(&self, w: &Value, c: usize) -> bool {
         self.opts.object_products.is_some()
-            && c > 1
+            && self.opts.layout == WeightLayout::Panels
             && c.is_multiple_of(kernels::MMT4D_ROWS)
             && w.dims()[2] == kernels::MMT4D_LANES
     }
@@ -329,9 +345,7 @@ impl<'a> Forward<'a> {
         let (rows, lanes) = (kernels::MMT4D_ROWS, kernels::MMT4D_LANES);
         let panels = w.dims()[0];
         let m1 = c / rows;
-        let lhs = self.b.reshape(x, &[m1, rows, k]);
-        let lhs = self.b.transpose(&lhs, &[0, 2, 1]);
-        let lhs = self.b.reshape(&lhs, &[m1, k, rows, 1]);
+        let lhs = self.pack_row_tiles(x, rows);
         let run = kernels::mmt4d_run(panels);
         let y = self.b.dispatch(
             kernels::MMT4D_ENTRY,
@@ -340,8 +354,7 @@ impl<'a> Forward<'a> {
             &[m1, panels, k, run],
             TensorType::f32(&[m1, panels, rows, lanes]),
         );
-        let y = self.b.transpose(&y, &[0, 2, 1, 3]);
-        self.b.reshape(&y, &[c, panels * lanes])
+        self.unpack_row_tiles(&y)
     }
 
     /// `x * rsqrt(mean(x^2) + eps) * (1 + w)` over the last dim of `x`, in f32 as the
