@@ -1,13 +1,18 @@
-//! kvsnap's own kernels, linked into llvm-cpu modules as objects where IREE's code falls short.
+//! kvsnap's own kernels, linked into llvm-cpu modules as one object where IREE's code falls
+//! short (`kernels/avx512.c`, compiled by the build script; on AVX-512 hosts):
 //!
-//! One so far: the chunks' panel products on AVX-512 hosts (`kernels/mmt4d_avx512.c`, compiled
-//! by the build script). IREE runs a `linalg.mmt4d` of 8-row tiles by 32-lane panels one tile
-//! at a time over the whole depth, so each panel comes from memory in its first tile and the
-//! other tiles run from cache while memory idles; the kernel runs the same tiles, with the
-//! same sums in the same order (its results are IREE's bit for bit), and prefetches the next
-//! panel while it runs them. The graphs call it through `flow.dispatch` of an executable
-//! whose `hal.executable.objects` name the object ([`mmt4d_executable`]); the compiler finds
-//! the object by name in the directory given with `--iree-hal-executable-object-search-path`
+//! - The chunks' panel products. IREE runs a `linalg.mmt4d` of 8-row tiles by 32-lane panels
+//!   one tile at a time over the whole depth, so each panel comes from memory in its first
+//!   tile and the other tiles run from cache while memory idles; the kernel runs the same
+//!   tiles, with the same sums in the same order (its results are IREE's bit for bit), and
+//!   prefetches the next panel while it runs them.
+//! - The screened head's scores, the int8 table's matvec (168 MB a decode step on Gemma 3
+//!   270M): eight panels at a time, each prefetched ahead, where IREE's code left the reads
+//!   and the widening of the weights to f32 poorly overlapped.
+//!
+//! The graphs call them through `flow.dispatch` of an executable whose
+//! `hal.executable.objects` name the object ([`executable`]); the compiler finds the object
+//! by name in the directory given with `--iree-hal-executable-object-search-path`
 //! ([`crate::compile::Compiler::compile_tuned`]).
 
 use std::sync::OnceLock;
@@ -16,35 +21,40 @@ use sha2::{Digest, Sha256};
 
 use crate::compile::{hex, LinkedObject};
 
-/// Rows of the kernel's left-operand tiles.
+/// Rows of the panel product's left-operand tiles.
 pub const MMT4D_ROWS: usize = 8;
 /// Lanes of the weight panels it takes.
 pub const MMT4D_LANES: usize = 32;
 /// Most workgroups of one product: a weight's panels are split into at most this many runs
 /// of consecutive panels (16 runs of 8 panels for gate and up, 10 of 2 for o and down).
 pub const MMT4D_MAX_GROUPS: usize = 16;
-
-/// The executable the graphs dispatch to, and its entry point.
+/// The panel product's entry point.
 pub const MMT4D_ENTRY: &str = "kvsnap_kernels::@mmt4d_8x32";
 
-#[cfg(kvsnap_mmt4d_object)]
-const MMT4D_OBJECT: Option<&[u8]> =
-    Some(include_bytes!(concat!(env!("OUT_DIR"), "/mmt4d_avx512.o")));
-#[cfg(not(kvsnap_mmt4d_object))]
-const MMT4D_OBJECT: Option<&[u8]> = None;
+/// Lanes of the int8 panels the screen takes.
+pub const SCREEN_LANES: usize = 16;
+/// Workgroups the screen's panels are split into, at most (runs of a multiple of 8 panels).
+pub const SCREEN_GROUPS: usize = 256;
+/// The screen's entry point.
+pub const SCREEN_ENTRY: &str = "kvsnap_kernels::@screen_16";
 
-/// The panel-product object, when this build has it and this host runs AVX-512 (llvm-cpu
-/// compiles for the host's CPU). Named by its content, so that a changed kernel is a changed
-/// module (and cache key).
-pub fn mmt4d_object() -> Option<LinkedObject> {
+#[cfg(kvsnap_kernel_object)]
+const OBJECT: Option<&[u8]> = Some(include_bytes!(concat!(env!("OUT_DIR"), "/avx512.o")));
+#[cfg(not(kvsnap_kernel_object))]
+const OBJECT: Option<&[u8]> = None;
+
+/// The kernels' object, when this build has it and this host runs AVX-512 (llvm-cpu compiles
+/// for the host's CPU). Named by its content, so that a changed kernel is a changed module
+/// (and cache key).
+pub fn kernel_object() -> Option<LinkedObject> {
     static NAME: OnceLock<String> = OnceLock::new();
-    let bytes = MMT4D_OBJECT?;
+    let bytes = OBJECT?;
     if !host_has_avx512() {
         return None;
     }
     let name = NAME.get_or_init(|| {
         let tag = hex(&Sha256::digest(bytes)[..8]);
-        format!("kvsnap_mmt4d_avx512_{tag}.o")
+        format!("kvsnap_avx512_{tag}.o")
     });
     Some(LinkedObject { name, bytes })
 }
@@ -59,11 +69,15 @@ fn host_has_avx512() -> bool {
     false
 }
 
-/// The `stream.executable` of the panel product, linking `object`: entry point `mmt4d_8x32`
-/// takes the packed rows (`[m1, depth, 8, 1]`), the panels (`[panels, depth, 32]`) and the
-/// index operands `m1, panels, depth, run`, and returns `[m1, panels, 8, 32]`; its
-/// `panels / run` (rounded up) workgroups each compute `run` consecutive panels.
-pub fn mmt4d_executable(object: &LinkedObject) -> String {
+/// The `stream.executable` of the kernels, linking `object`. Each entry point's
+/// `panels / run` (rounded up) workgroups compute `run` consecutive panels each:
+///
+/// - `mmt4d_8x32` takes the packed rows (`[m1, depth, 8, 1]`), the panels
+///   (`[panels, depth, 32]`) and the index operands `m1, panels, depth, run`, and returns
+///   `[m1, panels, 8, 32]`;
+/// - `screen_16` takes the int8 panels (`[panels, depth, 16]`), the row (`[depth]`) and
+///   `panels, depth, run`, and returns the f32 sums `[panels, 16]`.
+pub fn executable(object: &LinkedObject) -> String {
     format!(
         r#"  stream.executable private @kvsnap_kernels attributes {{
     hal.executable.objects = #hal.executable.objects<{{
@@ -77,8 +91,14 @@ pub fn mmt4d_executable(object: &LinkedObject) -> String {
       %c1 = arith.constant 1 : index
       stream.return %x, %c1, %c1 : index, index, index
     }}
+    stream.executable.export public @screen_16 workgroups(%panels: index, %run: index) -> (index, index, index) {{
+      %x = arith.ceildivui %panels, %run : index
+      %c1 = arith.constant 1 : index
+      stream.return %x, %c1, %c1 : index, index, index
+    }}
     builtin.module {{
       func.func private @kvsnap_mmt4d_8x32(memref<?xf32>, memref<?xf32>, memref<?xf32>, index, index, index, index, index) attributes {{hal.import.static}}
+      func.func private @kvsnap_screen_16(memref<?xi8>, memref<?xf32>, memref<?xf32>, index, index, index, index) attributes {{hal.import.static}}
       func.func @mmt4d_8x32(%lhs: !stream.binding, %rhs: !stream.binding, %m1: index, %panels: index, %depth: index, %run: index, %out: !stream.binding) {{
         %c0 = arith.constant 0 : index
         %rows = arith.constant {rows} : index
@@ -97,12 +117,26 @@ pub fn mmt4d_executable(object: &LinkedObject) -> String {
         func.call @kvsnap_mmt4d_8x32(%a, %b, %o, %m1, %panels, %depth, %wg, %run) : (memref<?xf32>, memref<?xf32>, memref<?xf32>, index, index, index, index, index) -> ()
         return
       }}
+      func.func @screen_16(%q: !stream.binding, %h: !stream.binding, %panels: index, %depth: index, %run: index, %out: !stream.binding) {{
+        %c0 = arith.constant 0 : index
+        %lanes = arith.constant {screen_lanes} : index
+        %wg = stream.dispatch.workgroup.id[0] : index
+        %q_rows = arith.muli %panels, %depth : index
+        %q_n = arith.muli %q_rows, %lanes : index
+        %out_n = arith.muli %panels, %lanes : index
+        %a = stream.binding.subspan %q[%c0] : !stream.binding -> memref<?xi8>{{%q_n}}
+        %b = stream.binding.subspan %h[%c0] : !stream.binding -> memref<?xf32>{{%depth}}
+        %o = stream.binding.subspan %out[%c0] : !stream.binding -> memref<?xf32>{{%out_n}}
+        func.call @kvsnap_screen_16(%a, %b, %o, %panels, %depth, %wg, %run) : (memref<?xi8>, memref<?xf32>, memref<?xf32>, index, index, index, index) -> ()
+        return
+      }}
     }}
   }}
 "#,
         name = object.name,
         rows = MMT4D_ROWS,
         lanes = MMT4D_LANES,
+        screen_lanes = SCREEN_LANES,
     )
 }
 
@@ -112,12 +146,20 @@ pub fn mmt4d_run(panels: usize) -> usize {
     panels.div_ceil(MMT4D_MAX_GROUPS).max(1)
 }
 
+/// Panels per workgroup for the screen over `panels` panels: at most [`SCREEN_GROUPS`]
+/// workgroups, each a multiple of the kernel's eight panels at a time (64 for Gemma 3 270M's
+/// 16,384 panels: 256 workgroups, which IREE's workers claim eight at a time, evenly on 2 or
+/// 4 of them).
+pub fn screen_run(panels: usize) -> usize {
+    panels.div_ceil(SCREEN_GROUPS).next_multiple_of(8).max(8)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn runs_split_the_model_weights_into_at_most_sixteen_groups() {
+    fn product_runs_split_the_model_weights_into_at_most_sixteen_groups() {
         for (panels, run) in [(128, 8), (48, 3), (20, 2), (16, 1), (1, 1), (17, 2)] {
             assert_eq!(mmt4d_run(panels), run, "{panels} panels");
             assert!(panels.div_ceil(run) <= MMT4D_MAX_GROUPS);
@@ -125,16 +167,25 @@ mod tests {
     }
 
     #[test]
+    fn screen_runs_are_whole_octets_in_at_most_256_groups() {
+        let cases = [(16384, 64), (16385, 72), (257, 8), (64, 8), (1, 8)];
+        for (panels, run) in cases {
+            assert_eq!(screen_run(panels), run, "{panels} panels");
+            assert!(panels.div_ceil(run) <= SCREEN_GROUPS);
+        }
+    }
+
+    #[test]
     fn the_object_is_named_by_its_content() {
-        let Some(object) = mmt4d_object() else {
-            eprintln!("SKIPPED: no AVX-512 panel-product object on this build or host");
+        let Some(object) = kernel_object() else {
+            eprintln!("SKIPPED: no AVX-512 kernel object on this build or host");
             return;
         };
         assert_eq!(&object.bytes[..4], b"\x7fELF", "an ELF object");
         // The tag is the first 8 bytes of the object's sha256, written out by hand here.
         let digest = Sha256::digest(object.bytes);
         let tag: String = digest[..8].iter().map(|b| format!("{b:02x}")).collect();
-        assert_eq!(object.name, format!("kvsnap_mmt4d_avx512_{tag}.o"));
+        assert_eq!(object.name, format!("kvsnap_avx512_{tag}.o"));
         assert_eq!(tag.len(), 16);
     }
 }

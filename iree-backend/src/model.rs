@@ -50,8 +50,8 @@ pub struct IreeOptions {
     /// weights, as the Mali path needs) and the ids-input graphs on the CPU.
     pub input: Option<Input>,
     /// Link kvsnap's own kernels into llvm-cpu modules where this build and host have them
-    /// ([`crate::kernels`]: the chunks' panel products on AVX-512); `false` keeps IREE's code
-    /// for everything.
+    /// ([`crate::kernels`]: the chunks' panel products and the head's screen on AVX-512);
+    /// `false` keeps IREE's code for everything.
     pub own_kernels: bool,
 }
 
@@ -691,7 +691,7 @@ pub fn model_graphs(cfg: &ModelConfig, opts: &IreeOptions) -> graphs::Graphs {
     .for_config(cfg);
     graph_opts.input = opts.chosen_input();
     if !opts.own_kernels {
-        graph_opts.object_products = None;
+        graph_opts.own_kernels = None;
     }
     graphs::build(cfg, &chunks, graph_opts)
 }

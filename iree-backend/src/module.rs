@@ -6,7 +6,7 @@
 //! module was compiled for, if one), and
 //! `kvsnap.<target>.tuning.mlir` when the module was compiled with a tuning spec (to repeat the
 //! compile by hand: `--iree-codegen-tuning-spec-path`), and the objects it links under the
-//! names its MLIR gives them (`kvsnap_mmt4d_avx512_<hash>.o`, [`crate::kernels`]; by hand:
+//! names its MLIR gives them (`kvsnap_avx512_<hash>.o`, [`crate::kernels`]; by hand:
 //! `--iree-hal-executable-object-search-path=DIR`). Loading checks
 //! that the module was compiled from exactly the MLIR this model's config produces, so a module
 //! built for another config (vocab, layers, capacity, chunk sizes) is a typed error, not a crash

@@ -983,7 +983,7 @@ fn prefill_products_deeper_than_640_are_split_into_blocks() {
     // none (its products are matvecs, one per stack).
     let cfg = real_config();
     let iree_products = GraphOptions {
-        object_products: None,
+        own_kernels: None,
         ..GraphOptions::llvm_cpu()
     };
     let g = graphs::build(&cfg, &[1, 64], iree_products);
@@ -1012,19 +1012,21 @@ fn prefill_products_deeper_than_640_are_split_into_blocks() {
     assert_eq!(rows.mlir.matches("\"linalg.mmt4d\"").count(), 0);
 }
 
-/// With kvsnap's panel-product kernel (`GraphOptions::object_products`) each projection of a
-/// chunk of a multiple of 8 rows is one dispatch to it over the whole stack and depth (q, k
-/// and v; o; gate and up; down: four a layer), the module's executable names the object, and
-/// a chunk of rows in tiles of 4 keeps IREE's `mmt4d`s (split by depth).
+/// With kvsnap's kernels (`GraphOptions::own_kernels`) each projection of a chunk of a
+/// multiple of 8 rows is one dispatch to the panel product over the whole stack and depth (q,
+/// k and v; o; gate and up; down: four a layer), a chunk of rows in tiles of 4 keeps IREE's
+/// `mmt4d`s (split by depth), every screen's scores are one dispatch to the screen kernel over
+/// the whole int8 table (which is then never widened to f32), and the module's executable
+/// names the object.
 #[test]
-fn object_products_dispatch_each_chunk_projection_to_the_kernel() {
+fn own_kernels_take_the_chunk_projections_and_the_screen() {
     let cfg = real_config();
     let object = LinkedObject {
         name: "kvsnap_test_object.o",
         bytes: b"",
     };
     let opts = GraphOptions {
-        object_products: Some(object),
+        own_kernels: Some(object),
         ..GraphOptions::llvm_cpu()
     };
     let g = graphs::build(&cfg, &[1, 12, 64], opts);
@@ -1056,6 +1058,34 @@ fn object_products_dispatch_each_chunk_projection_to_the_kernel() {
     assert!(g
         .mlir
         .contains("(tensor<8x2048x8x1xf32>, tensor<20x2048x32xf32>, index, index, index, index)"));
+    // The screen: 16,384 panels of 16 int8 lanes in 256 runs of 64, in every entry point but
+    // the decode steps' full-head twins (the chunks' under their head branch).
+    let screened = g
+        .manifest
+        .entry_points
+        .iter()
+        .filter(|e| e.head != HeadMode::Full)
+        .count();
+    assert!(screened > 0);
+    let screens = g
+        .mlir
+        .matches("flow.dispatch @kvsnap_kernels::@screen_16[")
+        .count();
+    assert_eq!(screens, screened);
+    assert!(g.mlir.contains(
+        "(tensor<16384x640x16xi8>, tensor<640xf32>, index, index, index) -> tensor<16384x16xf32>"
+    ));
+    assert!(!g
+        .mlir
+        .contains("(tensor<16384x640x16xi8>) -> tensor<16384x640x16xf32>"));
+    let without = GraphOptions {
+        own_kernels: None,
+        ..GraphOptions::llvm_cpu()
+    };
+    let iree_code = graphs::build(&cfg, &[1, 64], without);
+    assert!(iree_code
+        .mlir
+        .contains("(tensor<16384x640x16xi8>) -> tensor<16384x640x16xf32>"));
     let vulkan = graphs::build(&cfg, &[1, 64], GraphOptions::vulkan());
     assert!(vulkan.objects.is_empty() && !vulkan.mlir.contains("flow.dispatch"));
 }

@@ -117,10 +117,10 @@ mod iree_only {
         assert_eq!((got.token, got.logits), (want.token, want.logits));
     }
 
-    /// A module exported with IREE's own code for every product (`own_kernels: false`, as
+    /// A module exported with IREE's own code throughout (`own_kernels: false`, as
     /// `KVSNAP_OWN_KERNELS=0 kvsnap export` writes it) loads with the same option and gives the
-    /// shared model's token and logits; on a host whose modules link kvsnap's kernel, loading
-    /// it with that kernel is a typed format error naming the kind of host, the live states
+    /// shared model's token and logits; on a host whose modules link kvsnap's kernels, loading
+    /// it with them is a typed format error naming the kind of host, the live states
     /// untouched.
     #[test]
     fn module_exported_without_own_kernels() {
@@ -146,7 +146,7 @@ mod iree_only {
             own_kernels,
             ..IreeOptions::cpu()
         };
-        if kvsnap_iree::kernels::mmt4d_object().is_some() {
+        if kvsnap_iree::kernels::kernel_object().is_some() {
             isolated(&b.model, |_, _| {
                 let e = expect_err(
                     iree(&tiny, CAPACITY, from_dir(true)).map(|_| ()),
@@ -156,7 +156,7 @@ mod iree_only {
                 assert!(matches!(e, Error::Format { .. }), "{e:?}");
             });
         } else {
-            eprintln!("SKIPPED: the mismatch half: no panel-product kernel on this build or host");
+            eprintln!("SKIPPED: the mismatch half: no kernel object on this build or host");
         }
         let loaded = iree(&tiny, CAPACITY, from_dir(false)).expect("the module of its options");
         assert!(loaded.load_report().cache_hit && loaded.load_report().objects.is_empty());

@@ -149,21 +149,22 @@ pub struct GraphOptions {
     /// model adds about 5 s to llvm-cpu's compile.
     pub input: Input,
     /// Run the chunks' panel products (rows in tiles of [`kernels::MMT4D_ROWS`], panels of
-    /// [`kernels::MMT4D_LANES`] lanes) in kvsnap's kernel, this object linked into the module,
-    /// instead of IREE's `linalg.mmt4d` code ([`kernels`]). Requires [`WeightLayout::Panels`].
-    pub object_products: Option<LinkedObject>,
+    /// [`kernels::MMT4D_LANES`] lanes) and the screened head's scores in kvsnap's kernels,
+    /// this object linked into the module, instead of IREE's code ([`kernels`]). Requires
+    /// [`WeightLayout::Panels`].
+    pub own_kernels: Option<LinkedObject>,
 }
 
 impl GraphOptions {
-    /// What llvm-cpu runs best: panel matrices, branches, the screened head, and the products
-    /// in kvsnap's kernel where this host and build have it ([`kernels::mmt4d_object`]).
+    /// What llvm-cpu runs best: panel matrices, branches, the screened head, and kvsnap's
+    /// kernels where this host and build have them ([`kernels::kernel_object`]).
     pub fn llvm_cpu() -> Self {
         GraphOptions {
             layout: WeightLayout::Panels,
             branches: true,
             screen: true,
             input: Input::Ids,
-            object_products: kernels::mmt4d_object(),
+            own_kernels: kernels::kernel_object(),
         }
     }
 
@@ -174,7 +175,7 @@ impl GraphOptions {
             branches: false,
             screen: false,
             input: Input::Embeddings,
-            object_products: None,
+            own_kernels: None,
         }
     }
 
@@ -249,7 +250,7 @@ pub struct Graphs {
     /// The IREE tuning spec to compile it with, if any ([`llvm_cpu_tuning_spec`]: graphs with
     /// [`WeightLayout::Panels`] are meant for llvm-cpu).
     pub tuning_spec: Option<String>,
-    /// The objects the module links ([`GraphOptions::object_products`]).
+    /// The objects the module links ([`GraphOptions::own_kernels`]).
     pub objects: Vec<LinkedObject>,
 }
 
@@ -281,9 +282,9 @@ pub fn build(cfg: &ModelConfig, chunks: &[usize], opts: GraphOptions) -> Graphs 
     );
     let ring = RingGeometry::new(cfg.sliding_window, *chunks.last().unwrap());
     let mut module = Module::new("kvsnap");
-    let objects: Vec<LinkedObject> = opts.object_products.into_iter().collect();
+    let objects: Vec<LinkedObject> = opts.own_kernels.into_iter().collect();
     for object in &objects {
-        module.push_executable(kernels::mmt4d_executable(object));
+        module.push_executable(kernels::executable(object));
     }
     let mut entry_points = Vec::new();
     let largest = *chunks.last().unwrap();
@@ -385,8 +386,9 @@ pub fn argmax_module(cfg: &ModelConfig) -> String {
 /// A module `@screen(q8, scale, slack, table, h) -> tensor<i32>` holding the screened head's
 /// token alone (`Forward::screen`, after the final norm: `h` is the normalised row), for
 /// llvm-cpu, to test it against `kvsnap_reference::head::TiedHead` with planted tables: the
-/// arguments are [`screen_specs`]'s, the f32 table in rows, and `h: [hidden]`.
-pub fn screen_module(cfg: &ModelConfig) -> String {
+/// arguments are [`screen_specs`]'s, the f32 table in rows, and `h: [hidden]`. Its scores run
+/// in kvsnap's kernel where `own_kernels` gives its object (which the module then links).
+pub fn screen_module(cfg: &ModelConfig, own_kernels: Option<LinkedObject>) -> String {
     let mut b = FuncBuilder::new("screen");
     let specs = screen_specs(cfg);
     let q8 = b.arg(arg_type(&specs[0]));
@@ -397,12 +399,18 @@ pub fn screen_module(cfg: &ModelConfig) -> String {
     let mut f = Forward {
         b,
         cfg,
-        opts: GraphOptions::llvm_cpu(),
+        opts: GraphOptions {
+            own_kernels,
+            ..GraphOptions::llvm_cpu()
+        },
         span: None,
     };
     let screen = Screen { q8, scale, slack };
     let next = f.screen(&screen, &table, &h);
     let mut module = Module::new("screen");
+    if let Some(object) = &own_kernels {
+        module.push_executable(kernels::executable(object));
+    }
     module.push(f.b.finish(&[&next]));
     module.text()
 }

@@ -1,0 +1,171 @@
+// kvsnap's kernels for IREE's llvm-cpu target on AVX-512 hosts, linked into the module as
+// one object (`hal.executable.objects`): no libc, no globals, no thread-local state. The
+// bindings arrive as MLIR memref descriptors (base pointer, aligned pointer, offset, size,
+// stride); only the aligned pointer and the offset are used. Workgroup `wg` of a dispatch
+// computes panels [wg * run, (wg + 1) * run).
+//
+// - `kvsnap_mmt4d_8x32`, the chunks' panel products. They are `linalg.mmt4d`-shaped: the
+//   chunk's rows packed in tiles of 8 (`lhs`: [m1][depth][8]) against a weight in 32-lane
+//   panels (`rhs`: [panels][depth][32]), giving `out`: [m1][panels][8][32]. IREE's own code
+//   runs each 8-row tile over the whole depth, so a panel comes from memory in the first tile
+//   and from cache in the others, and memory idles while they run. This kernel runs the same
+//   8 x 32 register tiles (16 accumulators, two panel loads and eight broadcasts per 16 FMAs,
+//   the sums in the same order, so its results are IREE's bit for bit) and, while it runs a
+//   panel's tiles, prefetches the next panel into L2, spread evenly over those tiles: memory
+//   and arithmetic overlap.
+// - `kvsnap_screen_16`, the screened head's scores: the int8 copy of the tied head in 16-lane
+//   panels (`q`: [panels][depth][16]) against the final norm's row (`h`: [depth]), giving
+//   `out`: [panels][16] f32 sums. Each int8 weight is widened to f32 before its FMA, three
+//   instructions per 16 weights, so at 168 MB a step the arithmetic is half the time the
+//   reads take; IREE's code overlapped the two poorly. This one runs eight panels at a time
+//   (eight accumulators, eight streams) and prefetches each stream 512 bytes ahead. Its sums
+//   run in another order than IREE's, which the screen's bound allows (any order:
+//   `kvsnap_reference::head`).
+
+#include <immintrin.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#define ROWS 8
+#define LANES 32
+#define LINE 64 /* bytes */
+
+// Where the next panel's prefetch stands: its 2 x depth lines are spread over the `tiles` x
+// depth steps of this panel's tiles, two credits a step and one line per `tiles` credits (two
+// lines a step for a single tile, one a step for two, two every three steps for three...).
+struct prefetch {
+  const char *next; // the next panel, or null
+  size_t line;      // the next line to fetch
+  size_t credit;
+  size_t tiles;
+};
+
+// Sixteen accumulators of one 8 x 32 tile over the whole depth, stored to `out` (8 rows of
+// 32), prefetching as `pf` says.
+static inline __attribute__((always_inline)) void
+tile_8x32(const float *restrict a, const float *restrict panel, size_t depth,
+          float *restrict out, struct prefetch *pf) {
+  __m512 c[ROWS][2];
+  for (int r = 0; r < ROWS; ++r) {
+    c[r][0] = _mm512_setzero_ps();
+    c[r][1] = _mm512_setzero_ps();
+  }
+  const char *next = pf->next;
+  size_t line = pf->line, credit = pf->credit, tiles = pf->tiles;
+  for (size_t k = 0; k < depth; ++k) {
+    if (next) {
+      credit += 2;
+      while (credit >= tiles) {
+        _mm_prefetch(next + line * LINE, _MM_HINT_T1);
+        ++line;
+        credit -= tiles;
+      }
+    }
+    __m512 b0 = _mm512_loadu_ps(panel + k * LANES);
+    __m512 b1 = _mm512_loadu_ps(panel + k * LANES + 16);
+    const float *ak = a + k * ROWS;
+    for (int r = 0; r < ROWS; ++r) {
+      __m512 x = _mm512_set1_ps(ak[r]);
+      c[r][0] = _mm512_fmadd_ps(x, b0, c[r][0]);
+      c[r][1] = _mm512_fmadd_ps(x, b1, c[r][1]);
+    }
+  }
+  pf->line = line;
+  pf->credit = credit;
+  for (int r = 0; r < ROWS; ++r) {
+    _mm512_storeu_ps(out + r * LANES, c[r][0]);
+    _mm512_storeu_ps(out + r * LANES + 16, c[r][1]);
+  }
+}
+
+// The panel product: see the top of this file.
+void kvsnap_mmt4d_8x32(
+    const float *lhs_base, const float *restrict lhs, size_t lhs_offset, size_t lhs_size,
+    size_t lhs_stride,
+    const float *rhs_base, const float *restrict rhs, size_t rhs_offset, size_t rhs_size,
+    size_t rhs_stride,
+    float *out_base, float *restrict out, size_t out_offset, size_t out_size, size_t out_stride,
+    size_t m1, size_t panels, size_t depth, size_t wg, size_t run) {
+  (void)lhs_base, (void)lhs_size, (void)lhs_stride;
+  (void)rhs_base, (void)rhs_size, (void)rhs_stride;
+  (void)out_base, (void)out_size, (void)out_stride;
+  lhs += lhs_offset;
+  rhs += rhs_offset;
+  out += out_offset;
+  size_t p0 = wg * run;
+  size_t p1 = p0 + run < panels ? p0 + run : panels;
+  size_t panel_floats = depth * LANES;
+  for (size_t p = p0; p < p1; ++p) {
+    const float *panel = rhs + p * panel_floats;
+    // The next panel, this workgroup's or the next one's (often run next on the same worker).
+    struct prefetch pf = {
+        .next = p + 1 < panels ? (const char *)(panel + panel_floats) : NULL,
+        .line = 0,
+        .credit = 0,
+        .tiles = m1,
+    };
+    for (size_t t = 0; t < m1; ++t) {
+      tile_8x32(lhs + t * depth * ROWS, panel, depth, out + (t * panels + p) * ROWS * LANES,
+                &pf);
+    }
+  }
+}
+
+// Panels the screen runs at a time, and how far ahead of each it reads (in steps of 16
+// bytes: 512 bytes, eight lines).
+#define SCREEN_LANES 16
+#define SCREEN_PANELS 8
+#define SCREEN_AHEAD 32
+
+// 16 int8 weights as f32.
+static inline __attribute__((always_inline)) __m512 widen16(const int8_t *w) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)w)));
+}
+
+// `n` panels from `q` (1 to SCREEN_PANELS, each `depth` x 16 int8) against `h`, into
+// `out` (16 sums a panel). Each panel's line `SCREEN_AHEAD` steps ahead is prefetched once
+// every four steps (a line holds four).
+static inline __attribute__((always_inline)) void
+screen_panels(const int8_t *restrict q, const float *restrict h, size_t depth, size_t n,
+              float *restrict out) {
+  const size_t panel = depth * SCREEN_LANES;
+  __m512 acc[SCREEN_PANELS];
+  for (size_t j = 0; j < n; ++j)
+    acc[j] = _mm512_setzero_ps();
+  for (size_t k = 0; k < depth; ++k) {
+    const __m512 hk = _mm512_set1_ps(h[k]);
+    const int8_t *row = q + k * SCREEN_LANES;
+    if ((k & 3) == 0) {
+      for (size_t j = 0; j < n; ++j)
+        _mm_prefetch((const char *)(row + j * panel + SCREEN_AHEAD * SCREEN_LANES),
+                     _MM_HINT_T0);
+    }
+    for (size_t j = 0; j < n; ++j)
+      acc[j] = _mm512_fmadd_ps(widen16(row + j * panel), hk, acc[j]);
+  }
+  for (size_t j = 0; j < n; ++j)
+    _mm512_storeu_ps(out + j * SCREEN_LANES, acc[j]);
+}
+
+// The screen's scores: see the top of this file.
+void kvsnap_screen_16(
+    const int8_t *q_base, const int8_t *restrict q, size_t q_offset, size_t q_size,
+    size_t q_stride,
+    const float *h_base, const float *restrict h, size_t h_offset, size_t h_size,
+    size_t h_stride,
+    float *out_base, float *restrict out, size_t out_offset, size_t out_size, size_t out_stride,
+    size_t panels, size_t depth, size_t wg, size_t run) {
+  (void)q_base, (void)q_size, (void)q_stride;
+  (void)h_base, (void)h_size, (void)h_stride;
+  (void)out_base, (void)out_size, (void)out_stride;
+  q += q_offset;
+  h += h_offset;
+  out += out_offset;
+  size_t p = wg * run;
+  size_t end = p + run < panels ? p + run : panels;
+  const size_t panel = depth * SCREEN_LANES;
+  for (; p + SCREEN_PANELS <= end; p += SCREEN_PANELS)
+    screen_panels(q + p * panel, h, depth, SCREEN_PANELS, out + p * SCREEN_LANES);
+  if (p < end)
+    screen_panels(q + p * panel, h, depth, end - p, out + p * SCREEN_LANES);
+}
