@@ -1,8 +1,8 @@
 // kvsnap's kernels for IREE's llvm-cpu target on AVX-512 hosts, linked into the module as
 // one object (`hal.executable.objects`): no libc, no globals, no thread-local state. The
 // bindings arrive as MLIR memref descriptors (base pointer, aligned pointer, offset, size,
-// stride); only the aligned pointer and the offset are used. Workgroup `wg` of a dispatch
-// computes panels [wg * run, (wg + 1) * run).
+// stride); only the aligned pointer and the offset are used. Workgroup `wg` of the first two
+// kernels' dispatches computes panels [wg * run, (wg + 1) * run); of the gather's, one block.
 //
 // - `kvsnap_mmt4d_8x32`, the chunks' panel products. They are `linalg.mmt4d`-shaped: the
 //   chunk's rows packed in tiles of 8 (`lhs`: [m1][depth][8]) against a weight in 32-lane
@@ -21,6 +21,9 @@
 //   (eight accumulators, eight streams) and prefetches each stream 512 bytes ahead. Its sums
 //   run in another order than IREE's, which the screen's bound allows (any order:
 //   `kvsnap_reference::head`).
+// - `kvsnap_gather_16`, the screen's candidate rows: the f32 table's rows of the blocks of 16
+//   the screen could not rule out, copied for their exact logits. IREE's code for the gather
+//   (`stablehlo.gather` of 512 rows) took about 290 us a step, element by element.
 
 #include <immintrin.h>
 #include <stddef.h>
@@ -168,4 +171,36 @@ void kvsnap_screen_16(
     screen_panels(q + p * panel, h, depth, SCREEN_PANELS, out + p * SCREEN_LANES);
   if (p < end)
     screen_panels(q + p * panel, h, depth, end - p, out + p * SCREEN_LANES);
+}
+
+// The screen's candidate rows: see the top of this file. `table`: [rows][width] f32; `ids`:
+// [blocks] i32 block indices (16 rows each); `out`: [blocks][16][width]. Workgroup `wg`
+// copies block `ids[wg]`, each row index clamped to the table (a block past the last holds
+// no candidates: its rows only fill the shape, as the table's last row).
+void kvsnap_gather_16(
+    const float *table_base, const float *restrict table, size_t table_offset, size_t table_size,
+    size_t table_stride,
+    const int32_t *ids_base, const int32_t *restrict ids, size_t ids_offset, size_t ids_size,
+    size_t ids_stride,
+    float *out_base, float *restrict out, size_t out_offset, size_t out_size, size_t out_stride,
+    size_t rows, size_t width, size_t wg) {
+  (void)table_base, (void)table_size, (void)table_stride;
+  (void)ids_base, (void)ids_size, (void)ids_stride;
+  (void)out_base, (void)out_size, (void)out_stride;
+  table += table_offset;
+  ids += ids_offset;
+  out += out_offset + wg * SCREEN_LANES * width;
+  const int64_t block = ids[wg];
+  const __mmask16 tail = (__mmask16)((1u << (width % 16)) - 1);
+  for (int64_t l = 0; l < SCREEN_LANES; ++l) {
+    int64_t r = block * SCREEN_LANES + l;
+    r = r < 0 ? 0 : r >= (int64_t)rows ? (int64_t)rows - 1 : r;
+    const float *src = table + (size_t)r * width;
+    float *dst = out + (size_t)l * width;
+    size_t i = 0;
+    for (; i + 16 <= width; i += 16)
+      _mm512_storeu_ps(dst + i, _mm512_loadu_ps(src + i));
+    if (tail)
+      _mm512_mask_storeu_ps(dst + i, tail, _mm512_maskz_loadu_ps(tail, src + i));
+  }
 }

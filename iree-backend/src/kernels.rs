@@ -8,7 +8,9 @@
 //!   prefetches the next panel while it runs them.
 //! - The screened head's scores, the int8 table's matvec (168 MB a decode step on Gemma 3
 //!   270M): eight panels at a time, each prefetched ahead, where IREE's code left the reads
-//!   and the widening of the weights to f32 poorly overlapped.
+//!   and the widening of the weights to f32 poorly overlapped; and its candidate rows, the
+//!   f32 table's blocks it recomputes, copied a vector at a time where IREE's gather went
+//!   element by element.
 //!
 //! The graphs call them through `flow.dispatch` of an executable whose
 //! `hal.executable.objects` name the object ([`executable`]); the compiler finds the object
@@ -37,6 +39,8 @@ pub const SCREEN_LANES: usize = 16;
 pub const SCREEN_GROUPS: usize = 256;
 /// The screen's entry point.
 pub const SCREEN_ENTRY: &str = "kvsnap_kernels::@screen_16";
+/// The candidate rows' entry point.
+pub const GATHER_ENTRY: &str = "kvsnap_kernels::@gather_16";
 
 #[cfg(kvsnap_kernel_object)]
 const OBJECT: Option<&[u8]> = Some(include_bytes!(concat!(env!("OUT_DIR"), "/avx512.o")));
@@ -76,7 +80,10 @@ fn host_has_avx512() -> bool {
 ///   (`[panels, depth, 32]`) and the index operands `m1, panels, depth, run`, and returns
 ///   `[m1, panels, 8, 32]`;
 /// - `screen_16` takes the int8 panels (`[panels, depth, 16]`), the row (`[depth]`) and
-///   `panels, depth, run`, and returns the f32 sums `[panels, 16]`.
+///   `panels, depth, run`, and returns the f32 sums `[panels, 16]`;
+/// - `gather_16` takes a table (`[rows, width]` f32), block indices (`[blocks]` i32) and
+///   `rows, width, blocks`, and returns each block's 16 rows (`[blocks * 16, width]`), a row
+///   index past the table's last row clamped to it; one workgroup a block.
 pub fn executable(object: &LinkedObject) -> String {
     format!(
         r#"  stream.executable private @kvsnap_kernels attributes {{
@@ -96,9 +103,14 @@ pub fn executable(object: &LinkedObject) -> String {
       %c1 = arith.constant 1 : index
       stream.return %x, %c1, %c1 : index, index, index
     }}
+    stream.executable.export public @gather_16 workgroups(%blocks: index) -> (index, index, index) {{
+      %c1 = arith.constant 1 : index
+      stream.return %blocks, %c1, %c1 : index, index, index
+    }}
     builtin.module {{
       func.func private @kvsnap_mmt4d_8x32(memref<?xf32>, memref<?xf32>, memref<?xf32>, index, index, index, index, index) attributes {{hal.import.static}}
       func.func private @kvsnap_screen_16(memref<?xi8>, memref<?xf32>, memref<?xf32>, index, index, index, index) attributes {{hal.import.static}}
+      func.func private @kvsnap_gather_16(memref<?xf32>, memref<?xi32>, memref<?xf32>, index, index, index) attributes {{hal.import.static}}
       func.func @mmt4d_8x32(%lhs: !stream.binding, %rhs: !stream.binding, %m1: index, %panels: index, %depth: index, %run: index, %out: !stream.binding) {{
         %c0 = arith.constant 0 : index
         %rows = arith.constant {rows} : index
@@ -128,6 +140,19 @@ pub fn executable(object: &LinkedObject) -> String {
         %b = stream.binding.subspan %h[%c0] : !stream.binding -> memref<?xf32>{{%depth}}
         %o = stream.binding.subspan %out[%c0] : !stream.binding -> memref<?xf32>{{%out_n}}
         func.call @kvsnap_screen_16(%a, %b, %o, %panels, %depth, %wg, %run) : (memref<?xi8>, memref<?xf32>, memref<?xf32>, index, index, index, index) -> ()
+        return
+      }}
+      func.func @gather_16(%table: !stream.binding, %ids: !stream.binding, %rows: index, %width: index, %blocks: index, %out: !stream.binding) {{
+        %c0 = arith.constant 0 : index
+        %lanes = arith.constant {screen_lanes} : index
+        %wg = stream.dispatch.workgroup.id[0] : index
+        %table_n = arith.muli %rows, %width : index
+        %out_rows = arith.muli %blocks, %lanes : index
+        %out_n = arith.muli %out_rows, %width : index
+        %a = stream.binding.subspan %table[%c0] : !stream.binding -> memref<?xf32>{{%table_n}}
+        %b = stream.binding.subspan %ids[%c0] : !stream.binding -> memref<?xi32>{{%blocks}}
+        %o = stream.binding.subspan %out[%c0] : !stream.binding -> memref<?xf32>{{%out_n}}
+        func.call @kvsnap_gather_16(%a, %b, %o, %rows, %width, %wg) : (memref<?xf32>, memref<?xi32>, memref<?xf32>, index, index, index) -> ()
         return
       }}
     }}

@@ -1016,8 +1016,8 @@ fn prefill_products_deeper_than_640_are_split_into_blocks() {
 /// multiple of 8 rows is one dispatch to the panel product over the whole stack and depth (q,
 /// k and v; o; gate and up; down: four a layer), a chunk of rows in tiles of 4 keeps IREE's
 /// `mmt4d`s (split by depth), every screen's scores are one dispatch to the screen kernel over
-/// the whole int8 table (which is then never widened to f32), and the module's executable
-/// names the object.
+/// the whole int8 table (which is then never widened to f32) and its candidate rows one to
+/// the gather kernel, and the module's executable names the object.
 #[test]
 fn own_kernels_take_the_chunk_projections_and_the_screen() {
     let cfg = real_config();
@@ -1072,6 +1072,15 @@ fn own_kernels_take_the_chunk_projections_and_the_screen() {
         .matches("flow.dispatch @kvsnap_kernels::@screen_16[")
         .count();
     assert_eq!(screens, screened);
+    // Its candidate rows: 32 blocks of 16 rows of the f32 table, one dispatch each screen.
+    let gathers = g
+        .mlir
+        .matches(
+            "(tensor<262144x640xf32>, tensor<32xi32>, index, index, index) -> \
+             tensor<512x640xf32>",
+        )
+        .count();
+    assert_eq!(gathers, screened);
     assert!(g.mlir.contains(
         "(tensor<16384x640x16xi8>, tensor<640xf32>, index, index, index) -> tensor<16384x16xf32>"
     ));

@@ -526,7 +526,8 @@ fn argmax_with_planted_maxima_on_every_target() {
 /// full head, on planted tables: a vocab that is not a whole number of blocks, winners at
 /// block and table edges, duplicated winners (the lowest id wins), and the cases it must
 /// leave to the full head (-1): more candidate blocks than it recomputes, a NaN state. With
-/// IREE's code for the scores and with kvsnap's kernel (257 panels: 32 runs of 8 and one of 1).
+/// IREE's code and with kvsnap's kernels for the scores (257 panels: 32 runs of 8 and one of
+/// 1) and the candidate rows.
 #[test]
 fn screened_head_matches_the_reference_screen_on_planted_tables() {
     use kvsnap_iree::graphs::{
@@ -541,6 +542,7 @@ fn screened_head_matches_the_reference_screen_on_planted_tables() {
     };
     let mut cfg = config(Preset::Tiny);
     cfg.vocab_size = 4099; // 257 panels, the last of 3 rows; 257 blocks > SCREEN_BLOCKS
+    cfg.hidden_size = 72; // rows of 4.5 vectors: the kernels' partial last vector
     let (vocab, hidden) = (cfg.vocab_size, cfg.hidden_size);
     assert!(vocab.div_ceil(SCREEN_BLOCK) > SCREEN_BLOCKS);
     let instance = Instance::new().unwrap();

@@ -387,6 +387,25 @@ impl<'a> Forward<'a> {
         self.b.reshape(&y, &[panels * lanes])
     }
 
+    /// The rows of `table` (`[rows, width]`) in the blocks of [`SCREEN_BLOCK`] that `blocks`
+    /// (`[k]` i32) names: `[k * SCREEN_BLOCK, width]`, a row past the table's last clamped to
+    /// it, as `gather_rows` of those row indices gives them, by kvsnap's kernel ([`kernels`]).
+    fn object_gather(&mut self, table: &Value, blocks: &Value) -> Value {
+        let (rows, width, k) = (table.dims()[0], table.dims()[1], blocks.dims()[0]);
+        assert_eq!(
+            SCREEN_BLOCK,
+            kernels::SCREEN_LANES,
+            "gather: blocks of the kernel's rows"
+        );
+        self.b.dispatch(
+            kernels::GATHER_ENTRY,
+            &[k],
+            &[table, blocks],
+            &[rows, width, k],
+            TensorType::f32(&[k * SCREEN_BLOCK, width]),
+        )
+    }
+
     /// `x * rsqrt(mean(x^2) + eps) * (1 + w)` over the last dim of `x`, in f32 as the
     /// reference: the mean is the sum of squares divided by the dim, and `1 / sqrt` is taken
     /// explicitly.
@@ -1055,11 +1074,11 @@ impl<'a> Forward<'a> {
         let j = self.b.iota(&[k, blocks], 0);
         let before = self.b.compare(Cmp::Le, &prefix, &j);
         let before = self.b.convert(&before, ElemType::I32);
-        let block = self.b.reduce(&before, Reduction::Sum, &[1]); // [k], `blocks` past the last
+        let found = self.b.reduce(&before, Reduction::Sum, &[1]); // [k], `blocks` past the last
 
         // Their rows: ids, upper bounds, f32 logits.
         let dims = [k, SCREEN_BLOCK];
-        let block = self.b.broadcast_in_dim(&block, &dims, &[0]);
+        let block = self.b.broadcast_in_dim(&found, &dims, &[0]);
         let width = self.i32(SCREEN_BLOCK as i32, &dims);
         let lane = self.b.iota(&dims, 1);
         let ids = self.b.mul(&block, &width);
@@ -1069,7 +1088,11 @@ impl<'a> Forward<'a> {
         let last = self.i32(vocab as i32 - 1, &[n]);
         let rows = self.b.min(&ids, &last);
         let rows = self.b.reshape(&rows, &[n, 1]);
-        let table = self.b.gather_rows(embed, &rows); // [n, hidden]
+        let table = if self.opts.own_kernels.is_some() {
+            self.object_gather(embed, &found) // [n, hidden], the same rows
+        } else {
+            self.b.gather_rows(embed, &rows) // [n, hidden]
+        };
         let hrow = self.b.reshape(h, &[1, hidden]);
         let exact = self.b.dot_general(&table, &hrow, &DotDims::contract(1, 1)); // [n, 1]
         let exact = self.b.reshape(&exact, &[n]);
