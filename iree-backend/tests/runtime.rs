@@ -930,7 +930,9 @@ fn a_vulkan_target_is_a_flag_of_vulkan_compiles_and_part_of_their_cache_key() {
 }
 
 /// A fake `iree-compile` 3.13 that hangs without using CPU on its first `hangs` runs (a child
-/// `sleep`, as the real compiler's threads all waiting on futexes) and then writes a vmfb.
+/// `sleep`, as the real compiler's threads all waiting on futexes) and then writes a vmfb. The
+/// sleep's argument ([`hung_sleep`]) is this test process's own, so that no other `sleep` on
+/// the machine is taken for it.
 #[cfg(target_os = "linux")]
 fn hanging_compiler(dir: &std::path::Path, hangs: usize) -> std::path::PathBuf {
     use std::os::unix::fs::PermissionsExt;
@@ -945,14 +947,40 @@ fn hanging_compiler(dir: &std::path::Path, hangs: usize) -> std::path::PathBuf {
              out=''; prev=''\n\
              for a in \"$@\"; do [ \"$prev\" = -o ] && out=\"$a\"; prev=\"$a\"; done\n\
              echo run >> '{runs}'\n\
-             if [ \"$(wc -l < '{runs}')\" -le {hangs} ]; then sleep 600; fi\n\
+             if [ \"$(wc -l < '{runs}')\" -le {hangs} ]; then sleep {secs}; fi\n\
              printf fake-vmfb > \"$out\"\n",
-            runs = runs.display()
+            runs = runs.display(),
+            secs = hung_sleep(),
         ),
     )
     .unwrap();
     std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
     script
+}
+
+/// The seconds the fake compiler's hung runs sleep: 600 and a fraction naming this process.
+#[cfg(target_os = "linux")]
+fn hung_sleep() -> String {
+    format!("600.{}", std::process::id())
+}
+
+/// How many processes run the fake compiler's hung `sleep`, after waiting up to 5 s for them
+/// to go (a kill is delivered asynchronously; one that survived it sleeps for 600 s).
+#[cfg(target_os = "linux")]
+fn hung_sleeps_left() -> usize {
+    let cmdline = format!("sleep\0{}\0", hung_sleep()).into_bytes();
+    let count = || {
+        std::fs::read_dir("/proc")
+            .unwrap()
+            .flatten()
+            .filter(|p| std::fs::read(p.path().join("cmdline")).ok().as_ref() == Some(&cmdline))
+            .count()
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while count() > 0 && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    count()
 }
 
 #[cfg(target_os = "linux")]
@@ -983,14 +1011,7 @@ fn a_compiler_that_stops_using_cpu_is_killed_and_started_again_once() {
         .filter(|e| e.contains("killed, compiling again"));
     assert_eq!(restarts.count(), 1, "{events:?}");
     // The hung run's `sleep` was killed with its group, not left behind.
-    let sleeping = std::fs::read_dir("/proc")
-        .unwrap()
-        .flatten()
-        .filter(|p| {
-            std::fs::read(p.path().join("cmdline")).ok() == Some(b"sleep\x00600\x00".to_vec())
-        })
-        .count();
-    assert_eq!(sleeping, 0, "a hung run's child survived");
+    assert_eq!(hung_sleeps_left(), 0, "a hung run's child survived");
 
     // Hangs every time: a typed error that says so, after one restart.
     let (op, status) = backend_text(
@@ -1003,5 +1024,6 @@ fn a_compiler_that_stops_using_cpu_is_killed_and_started_again_once() {
         status.contains("used no CPU") && status.contains("2 times in a row"),
         "{status}"
     );
+    assert_eq!(hung_sleeps_left(), 0, "a hung run's child survived");
     std::fs::remove_dir_all(&dir).unwrap();
 }
