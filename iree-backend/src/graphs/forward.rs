@@ -1028,7 +1028,8 @@ impl<'a> Forward<'a> {
     ///
     /// In f32 throughout: the bound's margins (1 % of the residual, twice the rounding term)
     /// cover the f32 rounding of `|h|`, `b` and `a +- b`, which are within a few units of
-    /// `2^-24` of the scores.
+    /// `2^-24` of the scores. With [`GraphOptions::own_kernels`] the scores and the candidate
+    /// rows come from kvsnap's kernels ([`Forward::object_screen`], [`Forward::object_gather`]).
     ///
     /// # Shapes
     /// `embed`: `[vocab, hidden]` (rows); `h`: `[hidden]`; returns `[]` i32.
