@@ -1,8 +1,9 @@
 // kvsnap's kernels for IREE's llvm-cpu target on AVX-512 hosts, linked into the module as
 // one object (`hal.executable.objects`): no libc, no globals, no thread-local state. The
 // bindings arrive as MLIR memref descriptors (base pointer, aligned pointer, offset, size,
-// stride); only the aligned pointer and the offset are used. Workgroup `wg` of the first two
-// kernels' dispatches computes panels [wg * run, (wg + 1) * run); of the gather's, one block.
+// stride: `MEMREF`); only the aligned pointer and the offset are used (`AT`). Workgroup `wg`
+// of the first two kernels' dispatches computes panels [wg * run, (wg + 1) * run); of the
+// gather's, one block.
 //
 // - `kvsnap_mmt4d_8x32`, the chunks' panel products. They are `linalg.mmt4d`-shaped: the
 //   chunk's rows packed in tiles of 8 (`lhs`: [m1][depth][8]) against a weight in 32-lane
@@ -32,6 +33,14 @@
 #define ROWS 8
 #define LANES 32
 #define LINE 64 /* bytes */
+
+// One binding's parameters as MLIR passes a memref: base pointer, aligned pointer, offset
+// (elements), size, stride.
+#define MEMREF(type, name)                                                                    \
+  const void *name##_base, type *restrict name, size_t name##_offset, size_t name##_size,     \
+      size_t name##_stride
+// A binding's first element: its aligned pointer plus its offset (the other fields unused).
+#define AT(name) ((void)name##_base, (void)name##_size, (void)name##_stride, name + name##_offset)
 
 // Where the next panel's prefetch stands: its 2 x depth lines are spread over the `tiles` x
 // depth steps of this panel's tiles, two credits a step and one line per `tiles` credits (two
@@ -82,19 +91,11 @@ tile_8x32(const float *restrict a, const float *restrict panel, size_t depth,
 }
 
 // The panel product: see the top of this file.
-void kvsnap_mmt4d_8x32(
-    const float *lhs_base, const float *restrict lhs, size_t lhs_offset, size_t lhs_size,
-    size_t lhs_stride,
-    const float *rhs_base, const float *restrict rhs, size_t rhs_offset, size_t rhs_size,
-    size_t rhs_stride,
-    float *out_base, float *restrict out, size_t out_offset, size_t out_size, size_t out_stride,
-    size_t m1, size_t panels, size_t depth, size_t wg, size_t run) {
-  (void)lhs_base, (void)lhs_size, (void)lhs_stride;
-  (void)rhs_base, (void)rhs_size, (void)rhs_stride;
-  (void)out_base, (void)out_size, (void)out_stride;
-  lhs += lhs_offset;
-  rhs += rhs_offset;
-  out += out_offset;
+void kvsnap_mmt4d_8x32(MEMREF(const float, lhs), MEMREF(const float, rhs), MEMREF(float, out),
+                       size_t m1, size_t panels, size_t depth, size_t wg, size_t run) {
+  lhs = AT(lhs);
+  rhs = AT(rhs);
+  out = AT(out);
   size_t p0 = wg * run;
   size_t p1 = p0 + run < panels ? p0 + run : panels;
   size_t panel_floats = depth * LANES;
@@ -151,19 +152,11 @@ screen_panels(const int8_t *restrict q, const float *restrict h, size_t depth, s
 }
 
 // The screen's scores: see the top of this file.
-void kvsnap_screen_16(
-    const int8_t *q_base, const int8_t *restrict q, size_t q_offset, size_t q_size,
-    size_t q_stride,
-    const float *h_base, const float *restrict h, size_t h_offset, size_t h_size,
-    size_t h_stride,
-    float *out_base, float *restrict out, size_t out_offset, size_t out_size, size_t out_stride,
-    size_t panels, size_t depth, size_t wg, size_t run) {
-  (void)q_base, (void)q_size, (void)q_stride;
-  (void)h_base, (void)h_size, (void)h_stride;
-  (void)out_base, (void)out_size, (void)out_stride;
-  q += q_offset;
-  h += h_offset;
-  out += out_offset;
+void kvsnap_screen_16(MEMREF(const int8_t, q), MEMREF(const float, h), MEMREF(float, out),
+                      size_t panels, size_t depth, size_t wg, size_t run) {
+  q = AT(q);
+  h = AT(h);
+  out = AT(out);
   size_t p = wg * run;
   size_t end = p + run < panels ? p + run : panels;
   const size_t panel = depth * SCREEN_LANES;
@@ -177,19 +170,11 @@ void kvsnap_screen_16(
 // [blocks] i32 block indices (16 rows each); `out`: [blocks][16][width]. Workgroup `wg`
 // copies block `ids[wg]`, each row index clamped to the table (a block past the last holds
 // no candidates: its rows only fill the shape, as the table's last row).
-void kvsnap_gather_16(
-    const float *table_base, const float *restrict table, size_t table_offset, size_t table_size,
-    size_t table_stride,
-    const int32_t *ids_base, const int32_t *restrict ids, size_t ids_offset, size_t ids_size,
-    size_t ids_stride,
-    float *out_base, float *restrict out, size_t out_offset, size_t out_size, size_t out_stride,
-    size_t rows, size_t width, size_t wg) {
-  (void)table_base, (void)table_size, (void)table_stride;
-  (void)ids_base, (void)ids_size, (void)ids_stride;
-  (void)out_base, (void)out_size, (void)out_stride;
-  table += table_offset;
-  ids += ids_offset;
-  out += out_offset + wg * SCREEN_LANES * width;
+void kvsnap_gather_16(MEMREF(const float, table), MEMREF(const int32_t, ids),
+                      MEMREF(float, out), size_t rows, size_t width, size_t wg) {
+  table = AT(table);
+  ids = AT(ids);
+  out = AT(out) + wg * SCREEN_LANES * width;
   const int64_t block = ids[wg];
   const __mmask16 tail = (__mmask16)((1u << (width % 16)) - 1);
   for (int64_t l = 0; l < SCREEN_LANES; ++l) {

@@ -149,9 +149,9 @@ pub struct GraphOptions {
     /// model adds about 5 s to llvm-cpu's compile.
     pub input: Input,
     /// Run the chunks' panel products (rows in tiles of [`kernels::MMT4D_ROWS`], panels of
-    /// [`kernels::MMT4D_LANES`] lanes) and the screened head's scores in kvsnap's kernels,
-    /// this object linked into the module, instead of IREE's code ([`kernels`]). Requires
-    /// [`WeightLayout::Panels`].
+    /// [`kernels::MMT4D_LANES`] lanes) and the screened head's scores and candidate rows in
+    /// kvsnap's kernels, this object linked into the module, instead of IREE's code
+    /// ([`kernels`]). Requires [`WeightLayout::Panels`].
     pub own_kernels: Option<LinkedObject>,
 }
 
@@ -386,8 +386,9 @@ pub fn argmax_module(cfg: &ModelConfig) -> String {
 /// A module `@screen(q8, scale, slack, table, h) -> tensor<i32>` holding the screened head's
 /// token alone (`Forward::screen`, after the final norm: `h` is the normalised row), for
 /// llvm-cpu, to test it against `kvsnap_reference::head::TiedHead` with planted tables: the
-/// arguments are [`screen_specs`]'s, the f32 table in rows, and `h: [hidden]`. Its scores run
-/// in kvsnap's kernel where `own_kernels` gives its object (which the module then links).
+/// arguments are [`screen_specs`]'s, the f32 table in rows, and `h: [hidden]`. Its scores and
+/// candidate rows run in kvsnap's kernels where `own_kernels` gives their object (which the
+/// module then links).
 pub fn screen_module(cfg: &ModelConfig, own_kernels: Option<LinkedObject>) -> String {
     let mut b = FuncBuilder::new("screen");
     let specs = screen_specs(cfg);
