@@ -2,8 +2,8 @@
 // one object (`hal.executable.objects`): no libc, no globals, no thread-local state. The
 // bindings arrive as MLIR memref descriptors (base pointer, aligned pointer, offset, size,
 // stride: `MEMREF`); only the aligned pointer and the offset are used (`AT`). Workgroup `wg`
-// of the first two kernels' dispatches computes panels [wg * run, (wg + 1) * run); of the
-// gather's, one block.
+// of the panel product's `groups` computes panels [wg * panels / groups, (wg + 1) * panels /
+// groups); of the screen's, panels [wg * run, (wg + 1) * run); of the gather's, one block.
 //
 // - `kvsnap_mmt4d_8x32`, the chunks' panel products. They are `linalg.mmt4d`-shaped: the
 //   chunk's rows packed in tiles of 8 (`lhs`: [m1][depth][8]) against a weight in 32-lane
@@ -92,12 +92,12 @@ tile_8x32(const float *restrict a, const float *restrict panel, size_t depth,
 
 // The panel product: see the top of this file.
 void kvsnap_mmt4d_8x32(MEMREF(const float, lhs), MEMREF(const float, rhs), MEMREF(float, out),
-                       size_t m1, size_t panels, size_t depth, size_t wg, size_t run) {
+                       size_t m1, size_t panels, size_t depth, size_t wg, size_t groups) {
   lhs = AT(lhs);
   rhs = AT(rhs);
   out = AT(out);
-  size_t p0 = wg * run;
-  size_t p1 = p0 + run < panels ? p0 + run : panels;
+  size_t p0 = wg * panels / groups;
+  size_t p1 = (wg + 1) * panels / groups;
   size_t panel_floats = depth * LANES;
   for (size_t p = p0; p < p1; ++p) {
     const float *panel = rhs + p * panel_floats;
@@ -189,3 +189,4 @@ void kvsnap_gather_16(MEMREF(const float, table), MEMREF(const int32_t, ids),
       _mm512_mask_storeu_ps(dst + i, tail, _mm512_maskz_loadu_ps(tail, src + i));
   }
 }
+

@@ -27,8 +27,13 @@ use crate::compile::{hex, LinkedObject};
 pub const MMT4D_ROWS: usize = 8;
 /// Lanes of the weight panels it takes.
 pub const MMT4D_LANES: usize = 32;
-/// Most workgroups of one product: a weight's panels are split into at most this many runs
-/// of consecutive panels (16 runs of 8 panels for gate and up, 10 of 2 for o and down).
+/// Most workgroups of one product: a weight's panels are split into this many runs of
+/// consecutive panels (fewer for a weight of fewer panels), as even as integer division makes
+/// them: 16 of 8 panels for gate and up, of 3 for q/k/v, of 1 or 2 for o and down. IREE's
+/// workers claim the workgroups of a dispatch of at least 8 per worker 8 at a time, so on a
+/// 2-worker host each runs 8 consecutive runs, and the next panel the kernel prefetches is
+/// the one its worker computes next (with 10 runs of 2, claimed one at a time, it was another
+/// worker's half the time).
 pub const MMT4D_MAX_GROUPS: usize = 16;
 /// The panel product's entry point.
 pub const MMT4D_ENTRY: &str = "kvsnap_kernels::@mmt4d_8x32";
@@ -73,14 +78,15 @@ fn host_has_avx512() -> bool {
     false
 }
 
-/// The `stream.executable` of the kernels, linking `object`. Each entry point's
-/// `panels / run` (rounded up) workgroups compute `run` consecutive panels each:
+/// The `stream.executable` of the kernels, linking `object`:
 ///
 /// - `mmt4d_8x32` takes the packed rows (`[m1, depth, 8, 1]`), the panels
-///   (`[panels, depth, 32]`) and the index operands `m1, panels, depth, run`, and returns
-///   `[m1, panels, 8, 32]`;
+///   (`[panels, depth, 32]`) and the index operands `m1, panels, depth, groups`, and returns
+///   `[m1, panels, 8, 32]`; workgroup `wg` of `groups` computes panels
+///   `[wg * panels / groups, (wg + 1) * panels / groups)`;
 /// - `screen_16` takes the int8 panels (`[panels, depth, 16]`), the row (`[depth]`) and
-///   `panels, depth, run`, and returns the f32 sums `[panels, 16]`;
+///   `panels, depth, run`, and returns the f32 sums `[panels, 16]`; `panels / run` (rounded
+///   up) workgroups compute `run` consecutive panels each;
 /// - `gather_16` takes a table (`[rows, width]` f32), block indices (`[blocks]` i32) and
 ///   `rows, width, blocks`, and returns each block's 16 rows (`[blocks * 16, width]`), a row
 ///   index past the table's last row clamped to it; one workgroup a block.
@@ -93,10 +99,9 @@ pub fn executable(object: &LinkedObject) -> String {
       ]
     }}>
   }} {{
-    stream.executable.export public @mmt4d_8x32 workgroups(%panels: index, %run: index) -> (index, index, index) {{
-      %x = arith.ceildivui %panels, %run : index
+    stream.executable.export public @mmt4d_8x32 workgroups(%groups: index) -> (index, index, index) {{
       %c1 = arith.constant 1 : index
-      stream.return %x, %c1, %c1 : index, index, index
+      stream.return %groups, %c1, %c1 : index, index, index
     }}
     stream.executable.export public @screen_16 workgroups(%panels: index, %run: index) -> (index, index, index) {{
       %x = arith.ceildivui %panels, %run : index
@@ -111,7 +116,7 @@ pub fn executable(object: &LinkedObject) -> String {
       func.func private @kvsnap_mmt4d_8x32(memref<?xf32>, memref<?xf32>, memref<?xf32>, index, index, index, index, index) attributes {{hal.import.static}}
       func.func private @kvsnap_screen_16(memref<?xi8>, memref<?xf32>, memref<?xf32>, index, index, index, index) attributes {{hal.import.static}}
       func.func private @kvsnap_gather_16(memref<?xf32>, memref<?xi32>, memref<?xf32>, index, index, index) attributes {{hal.import.static}}
-      func.func @mmt4d_8x32(%lhs: !stream.binding, %rhs: !stream.binding, %m1: index, %panels: index, %depth: index, %run: index, %out: !stream.binding) {{
+      func.func @mmt4d_8x32(%lhs: !stream.binding, %rhs: !stream.binding, %m1: index, %panels: index, %depth: index, %groups: index, %out: !stream.binding) {{
         %c0 = arith.constant 0 : index
         %rows = arith.constant {rows} : index
         %lanes = arith.constant {lanes} : index
@@ -126,7 +131,7 @@ pub fn executable(object: &LinkedObject) -> String {
         %a = stream.binding.subspan %lhs[%c0] : !stream.binding -> memref<?xf32>{{%lhs_n}}
         %b = stream.binding.subspan %rhs[%c0] : !stream.binding -> memref<?xf32>{{%rhs_n}}
         %o = stream.binding.subspan %out[%c0] : !stream.binding -> memref<?xf32>{{%out_n}}
-        func.call @kvsnap_mmt4d_8x32(%a, %b, %o, %m1, %panels, %depth, %wg, %run) : (memref<?xf32>, memref<?xf32>, memref<?xf32>, index, index, index, index, index) -> ()
+        func.call @kvsnap_mmt4d_8x32(%a, %b, %o, %m1, %panels, %depth, %wg, %groups) : (memref<?xf32>, memref<?xf32>, memref<?xf32>, index, index, index, index, index) -> ()
         return
       }}
       func.func @screen_16(%q: !stream.binding, %h: !stream.binding, %panels: index, %depth: index, %run: index, %out: !stream.binding) {{
@@ -165,10 +170,10 @@ pub fn executable(object: &LinkedObject) -> String {
     )
 }
 
-/// Panels per workgroup for a product over `panels` panels: runs as long as
-/// [`MMT4D_MAX_GROUPS`] allows (the kernel prefetches within and just past a run).
-pub fn mmt4d_run(panels: usize) -> usize {
-    panels.div_ceil(MMT4D_MAX_GROUPS).max(1)
+/// Workgroups of a product over `panels` panels: [`MMT4D_MAX_GROUPS`], or one a panel
+/// where there are fewer (the kernel prefetches within and just past a workgroup's run).
+pub fn mmt4d_groups(panels: usize) -> usize {
+    panels.clamp(1, MMT4D_MAX_GROUPS)
 }
 
 /// Panels per workgroup for the screen over `panels` panels: at most [`SCREEN_GROUPS`]
@@ -184,10 +189,17 @@ mod tests {
     use super::*;
 
     #[test]
-    fn product_runs_split_the_model_weights_into_at_most_sixteen_groups() {
-        for (panels, run) in [(128, 8), (48, 3), (20, 2), (16, 1), (1, 1), (17, 2)] {
-            assert_eq!(mmt4d_run(panels), run, "{panels} panels");
-            assert!(panels.div_ceil(run) <= MMT4D_MAX_GROUPS);
+    fn products_run_in_sixteen_groups_or_one_a_panel() {
+        for (panels, groups) in [
+            (128, 16),
+            (48, 16),
+            (20, 16),
+            (17, 16),
+            (16, 16),
+            (5, 5),
+            (1, 1),
+        ] {
+            assert_eq!(mmt4d_groups(panels), groups, "{panels} panels");
         }
     }
 

@@ -709,11 +709,12 @@ fn unsettled_screen_reruns_the_chunk_with_the_full_head() {
 }
 
 /// Projections stacked into one argument whose parts end mid-panel: head_dim 20 makes q 80
-/// rows and k and v 40 each (2.5 and 1.25 panels of 32 lanes), ffn 72 makes gate and up 2.25
-/// panels each. In panels (llvm-cpu) each part starts at a whole panel, after zero padding; in
-/// rows (Vulkan) right after the previous one. A prefill, an extend and steps match the
-/// reference on each target, and on llvm-cpu both with kvsnap's panel-product kernel (one
-/// product over the stack, parts sliced off; where the host has it) and with IREE's code.
+/// rows and k and v 40 each (2.5 and 1.25 panels of 32 lanes), ffn 552 makes gate and up
+/// 17.25 panels each. In panels (llvm-cpu) each part starts at a whole panel, after zero
+/// padding; in rows (Vulkan) right after the previous one. A prefill, an extend and steps
+/// match the reference on each target, and on llvm-cpu both with kvsnap's panel-product
+/// kernel (one product over the stack, parts sliced off; the 36 panels of gate and up in 16
+/// workgroups of 2 or 3; where the host has it) and with IREE's code.
 #[test]
 fn stacked_projections_with_partial_panels_match_the_reference() {
     use kvsnap_iree::graphs::PROJECTION_LANES;
@@ -723,7 +724,7 @@ fn stacked_projections_with_partial_panels_match_the_reference() {
     }
     let config = |json: &mut serde_json::Value| {
         json["head_dim"] = 20.into();
-        json["intermediate_size"] = 72.into();
+        json["intermediate_size"] = 552.into();
     };
     let (dir, cfg) = tiny_variant("stacked", config, 5, |_, _| {});
     let reference = ReferenceModel::load(&dir).unwrap();
@@ -776,11 +777,11 @@ fn stacked_projections_with_partial_panels_match_the_reference() {
         match target {
             Target::LlvmCpu => {
                 assert_eq!(qkv.dims, [3 + 2 + 2, h, lanes], "{w}");
-                assert_eq!(gate_up.dims, [3 + 3, h, lanes], "{w}");
+                assert_eq!(gate_up.dims, [18 + 18, h, lanes], "{w}");
             }
             Target::VulkanSpirv => {
                 assert_eq!(qkv.dims, [80 + 40 + 40, h], "{w}");
-                assert_eq!(gate_up.dims, [72 + 72, h], "{w}");
+                assert_eq!(gate_up.dims, [552 + 552, h], "{w}");
             }
         }
         // 13 rows as 8 + 8 (the last padded), 11 as 8 + 8, then steps.

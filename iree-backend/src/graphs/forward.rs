@@ -346,12 +346,12 @@ impl<'a> Forward<'a> {
         let panels = w.dims()[0];
         let m1 = c / rows;
         let lhs = self.pack_row_tiles(x, rows);
-        let run = kernels::mmt4d_run(panels);
+        let groups = kernels::mmt4d_groups(panels);
         let y = self.b.dispatch(
             kernels::MMT4D_ENTRY,
-            &[panels, run],
+            &[groups],
             &[&lhs, w],
-            &[m1, panels, k, run],
+            &[m1, panels, k, groups],
             TensorType::f32(&[m1, panels, rows, lanes]),
         );
         self.unpack_row_tiles(&y)
