@@ -25,6 +25,9 @@
 // - `kvsnap_gather_16`, the screen's candidate rows: the f32 table's rows of the blocks of 16
 //   the screen could not rule out, copied for their exact logits. IREE's code for the gather
 //   (`stablehlo.gather` of 512 rows) took about 290 us a step, element by element.
+// - `kvsnap_attend_1`, the decode step's attention over a layer's K/V buffers: it reads only
+//   the rows the query can see (the graph's attention reads and masks every row of the ring
+//   or the span), in splits whose running sums the graph merges.
 
 #include <immintrin.h>
 #include <stddef.h>
@@ -190,3 +193,171 @@ void kvsnap_gather_16(MEMREF(const float, table), MEMREF(const int32_t, ids),
   }
 }
 
+// ---- The decode step's attention ------------------------------------------------------------
+
+// Visible rows a block of the attention takes at a time, the most query heads a key/value head
+// serves, and the running maximum of a split that has seen no visible row.
+#define ATTEND_BLOCK 32
+#define ATTEND_MAX_GROUP 8
+#define ATTEND_EMPTY (-3.0e38f)
+
+// e^x of 16 floats: 2^n e^r with n = round(x / ln 2) and r = x - n ln 2 in [-ln 2 / 2,
+// ln 2 / 2] (ln 2 in two parts, the first exact in n * C1), e^r by its Taylor series to degree
+// 7 (truncation below 6e-9 relative). Below -104 the result is 0 or the smallest subnormal.
+static inline __attribute__((always_inline)) __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
+  x = _mm512_min_ps(x, _mm512_set1_ps(88.7f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 5040);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Every line of `bytes` at `p` into L2.
+static inline __attribute__((always_inline)) void prefetch_span(const float *p, size_t bytes) {
+  for (size_t b = 0; b < bytes; b += LINE)
+    _mm_prefetch((const char *)p + b, _MM_HINT_T1);
+}
+
+// One key/value head's running state over a split: `acc` holds, per query head, the
+// unnormalised sum of e^(s - m) v (head_dim floats), then m, then the sum of e^(s - m).
+struct attend_head {
+  const float *q; // [group][head_dim]
+  const float *k; // row 0 of this head's keys, rows `stride` floats apart
+  const float *v;
+  float *acc; // [group][head_dim + 2]
+  size_t group, head_dim, stride;
+  float scale;
+};
+
+// Folds the visible rows `idx[0..n)` into `a`: their scores, a new running maximum, the old
+// sums rescaled, the rows' weights added. Each key row is read once for every query head.
+static void attend_block(const struct attend_head *a, const size_t *idx, size_t n) {
+  const size_t hd = a->head_dim, slot = hd + 2;
+  float s[ATTEND_MAX_GROUP][ATTEND_BLOCK];
+  for (size_t j = 0; j < n; ++j) {
+    const float *kr = a->k + idx[j] * a->stride;
+    __m512 dot[ATTEND_MAX_GROUP];
+    for (size_t g = 0; g < a->group; ++g)
+      dot[g] = _mm512_setzero_ps();
+    for (size_t c = 0; c < hd; c += 16) {
+      const __m512 kc = _mm512_loadu_ps(kr + c);
+      for (size_t g = 0; g < a->group; ++g)
+        dot[g] = _mm512_fmadd_ps(_mm512_loadu_ps(a->q + g * hd + c), kc, dot[g]);
+    }
+    for (size_t g = 0; g < a->group; ++g)
+      s[g][j] = _mm512_reduce_add_ps(dot[g]) * a->scale;
+  }
+  float corr[ATTEND_MAX_GROUP];
+  for (size_t g = 0; g < a->group; ++g) {
+    float *m = a->acc + g * slot + hd, *l = m + 1;
+    float top = *m;
+    for (size_t j = 0; j < n; ++j)
+      top = s[g][j] > top ? s[g][j] : top;
+    corr[g] = _mm512_cvtss_f32(exp16(_mm512_set1_ps(*m - top)));
+    float sum = 0.0f;
+    for (size_t j = 0; j < n; j += 16) {
+      const __mmask16 live = n - j >= 16 ? 0xFFFF : (__mmask16)((1u << (n - j)) - 1);
+      const __m512 x = _mm512_maskz_loadu_ps(live, &s[g][j]);
+      const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(x, _mm512_set1_ps(top))));
+      _mm512_mask_storeu_ps(&s[g][j], live, e);
+      sum += _mm512_reduce_add_ps(e);
+    }
+    *l = *l * corr[g] + sum;
+    *m = top;
+  }
+  for (size_t c = 0; c < hd; c += 16) {
+    __m512 o[ATTEND_MAX_GROUP];
+    for (size_t g = 0; g < a->group; ++g)
+      o[g] = _mm512_mul_ps(_mm512_loadu_ps(a->acc + g * slot + c), _mm512_set1_ps(corr[g]));
+    for (size_t j = 0; j < n; ++j) {
+      const __m512 vc = _mm512_loadu_ps(a->v + idx[j] * a->stride + c);
+      for (size_t g = 0; g < a->group; ++g)
+        o[g] = _mm512_fmadd_ps(_mm512_set1_ps(s[g][j]), vc, o[g]);
+    }
+    for (size_t g = 0; g < a->group; ++g)
+      _mm512_storeu_ps(a->acc + g * slot + c, o[g]);
+  }
+}
+
+// The decode step's attention, one split of the key rows per workgroup: `q` [kv_heads][group]
+// [head_dim] (the step's one row), `k` and `v` [>= rows][kv_heads][head_dim], `pos` the ring's
+// stored positions (p + 1, 0 for an empty row; read when `window` is not 0), `lim` = {the
+// query's position, the first position past the written ones}. A key row is visible when
+// its position kp satisfies 0 <= kp <= query, kp < end and, with a window, kp > query -
+// window. A global layer's row r holds position r (`window` 0): its first min(rows, query + 1,
+// end) rows are the visible ones, `live`; a sliding layer's `live` is all `rows`. Workgroup
+// `wg` of `splits` takes rows [wg * live / splits, (wg + 1) * live / splits), skips the
+// invisible ones without reading them, and writes per key/value head and query head its
+// unnormalised sums, its
+// maximum score and its sum of weights (`out`: [splits][kv_heads][group][head_dim + 2]), merged
+// across splits by the graph. `scale_bits`: the f32 score scale's bits.
+void kvsnap_attend_1(MEMREF(const float, q), MEMREF(const float, k), MEMREF(const float, v),
+                     MEMREF(const int32_t, pos), MEMREF(const int32_t, lim), MEMREF(float, out),
+                     size_t kv_heads, size_t group, size_t head_dim, size_t rows, size_t window,
+                     size_t scale_bits, size_t wg, size_t splits) {
+  q = AT(q);
+  k = AT(k);
+  v = AT(v);
+  pos = AT(pos);
+  lim = AT(lim);
+  out = AT(out);
+  union {
+    uint32_t bits;
+    float f;
+  } scale = {.bits = (uint32_t)scale_bits};
+  const int64_t query = lim[0], end = lim[1];
+  size_t live = rows; // the rows the splits divide
+  if (!window) {
+    const int64_t seen = query + 1 < end ? query + 1 : end;
+    live = seen <= 0 ? 0 : (size_t)seen < rows ? (size_t)seen : rows;
+  }
+  const size_t r0 = wg * live / splits, r1 = (wg + 1) * live / splits;
+  const size_t slot = head_dim + 2;
+  for (size_t h = 0; h < kv_heads; ++h) {
+    struct attend_head a = {
+        .q = q + h * group * head_dim,
+        .k = k + h * head_dim,
+        .v = v + h * head_dim,
+        .acc = out + (wg * kv_heads + h) * group * slot,
+        .group = group,
+        .head_dim = head_dim,
+        .stride = kv_heads * head_dim,
+        .scale = scale.f,
+    };
+    for (size_t g = 0; g < group; ++g) {
+      float *acc = a.acc + g * slot;
+      for (size_t c = 0; c < head_dim; ++c)
+        acc[c] = 0.0f;
+      acc[head_dim] = ATTEND_EMPTY;
+      acc[head_dim + 1] = 0.0f;
+    }
+    size_t idx[ATTEND_BLOCK], n = 0;
+    for (size_t r = r0; r < r1; ++r) {
+      const int64_t kp = window ? (int64_t)pos[r] - 1 : (int64_t)r;
+      const int visible = kp >= 0 && kp <= query && kp < end &&
+                          (window == 0 || kp > query - (int64_t)window);
+      if (!visible)
+        continue;
+      // The block's rows are fetched while the scan collects them, ahead of their use.
+      prefetch_span(a.k + r * a.stride, head_dim * sizeof(float));
+      prefetch_span(a.v + r * a.stride, head_dim * sizeof(float));
+      idx[n++] = r;
+      if (n == ATTEND_BLOCK) {
+        attend_block(&a, idx, n);
+        n = 0;
+      }
+    }
+    if (n)
+      attend_block(&a, idx, n);
+  }
+}

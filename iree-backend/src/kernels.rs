@@ -11,6 +11,9 @@
 //!   and the widening of the weights to f32 poorly overlapped; and its candidate rows, the
 //!   f32 table's blocks it recomputes, copied a vector at a time where IREE's gather went
 //!   element by element.
+//! - The decode step's attention: one dispatch a layer, in splits of the key rows that read
+//!   only the visible ones, where the graph's attention reads and masks all of them
+//!   ([`ATTEND_SPLITS`]; merged by the graph).
 //!
 //! The graphs call them through `flow.dispatch` of an executable whose
 //! `hal.executable.objects` name the object ([`executable`]); the compiler finds the object
@@ -46,6 +49,16 @@ pub const SCREEN_GROUPS: usize = 256;
 pub const SCREEN_ENTRY: &str = "kvsnap_kernels::@screen_16";
 /// The candidate rows' entry point.
 pub const GATHER_ENTRY: &str = "kvsnap_kernels::@gather_16";
+
+/// Workgroups of the decode step's attention, each a contiguous split of a layer's key rows:
+/// fewer than 16, so that IREE's workers claim them one at a time on a 2-worker host (a
+/// sliding layer's visible rows are one or two runs of its ring; claimed 8 at a time, one
+/// worker could get most of them).
+pub const ATTEND_SPLITS: usize = 12;
+/// Most query heads a key/value head serves in the attention kernel.
+pub const ATTEND_MAX_GROUP: usize = 8;
+/// The decode step's attention entry point.
+pub const ATTEND_ENTRY: &str = "kvsnap_kernels::@attend_1";
 
 #[cfg(kvsnap_kernel_object)]
 const OBJECT: Option<&[u8]> = Some(include_bytes!(concat!(env!("OUT_DIR"), "/avx512.o")));
@@ -89,7 +102,13 @@ fn host_has_avx512() -> bool {
 ///   up) workgroups compute `run` consecutive panels each;
 /// - `gather_16` takes a table (`[rows, width]` f32), block indices (`[blocks]` i32) and
 ///   `rows, width, blocks`, and returns each block's 16 rows (`[blocks * 16, width]`), a row
-///   index past the table's last row clamped to it; one workgroup a block.
+///   index past the table's last row clamped to it; one workgroup a block;
+/// - `attend_1` takes a decode step's query row (`[kv_heads, group, head_dim]`), a layer's K
+///   and V buffers (`[buf_rows, kv_heads, head_dim]`), the ring's positions (`[pos_rows]`
+///   i32), `{query position, end}` (`[2]` i32) and `kv_heads, group, head_dim, rows, window,
+///   scale bits, buf_rows, pos_rows, splits`, and returns each split's unnormalised sums,
+///   maximum score and sum of weights per query head (`[splits, kv_heads, group,
+///   head_dim + 2]`): see `kvsnap_attend_1` in the C source.
 pub fn executable(object: &LinkedObject) -> String {
     format!(
         r#"  stream.executable private @kvsnap_kernels attributes {{
@@ -112,10 +131,15 @@ pub fn executable(object: &LinkedObject) -> String {
       %c1 = arith.constant 1 : index
       stream.return %blocks, %c1, %c1 : index, index, index
     }}
+    stream.executable.export public @attend_1 workgroups(%splits: index) -> (index, index, index) {{
+      %c1 = arith.constant 1 : index
+      stream.return %splits, %c1, %c1 : index, index, index
+    }}
     builtin.module {{
       func.func private @kvsnap_mmt4d_8x32(memref<?xf32>, memref<?xf32>, memref<?xf32>, index, index, index, index, index) attributes {{hal.import.static}}
       func.func private @kvsnap_screen_16(memref<?xi8>, memref<?xf32>, memref<?xf32>, index, index, index, index) attributes {{hal.import.static}}
       func.func private @kvsnap_gather_16(memref<?xf32>, memref<?xi32>, memref<?xf32>, index, index, index) attributes {{hal.import.static}}
+      func.func private @kvsnap_attend_1(memref<?xf32>, memref<?xf32>, memref<?xf32>, memref<?xi32>, memref<?xi32>, memref<?xf32>, index, index, index, index, index, index, index, index) attributes {{hal.import.static}}
       func.func @mmt4d_8x32(%lhs: !stream.binding, %rhs: !stream.binding, %m1: index, %panels: index, %depth: index, %groups: index, %out: !stream.binding) {{
         %c0 = arith.constant 0 : index
         %rows = arith.constant {rows} : index
@@ -158,6 +182,26 @@ pub fn executable(object: &LinkedObject) -> String {
         %b = stream.binding.subspan %ids[%c0] : !stream.binding -> memref<?xi32>{{%blocks}}
         %o = stream.binding.subspan %out[%c0] : !stream.binding -> memref<?xf32>{{%out_n}}
         func.call @kvsnap_gather_16(%a, %b, %o, %rows, %width, %wg) : (memref<?xf32>, memref<?xi32>, memref<?xf32>, index, index, index) -> ()
+        return
+      }}
+      func.func @attend_1(%q: !stream.binding, %k: !stream.binding, %v: !stream.binding, %pos: !stream.binding, %lim: !stream.binding, %kvh: index, %group: index, %hd: index, %rows: index, %window: index, %scale: index, %buf_rows: index, %pos_rows: index, %splits: index, %out: !stream.binding) {{
+        %c0 = arith.constant 0 : index
+        %c2 = arith.constant 2 : index
+        %wg = stream.dispatch.workgroup.id[0] : index
+        %heads = arith.muli %kvh, %group : index
+        %q_n = arith.muli %heads, %hd : index
+        %row_n = arith.muli %kvh, %hd : index
+        %kv_n = arith.muli %buf_rows, %row_n : index
+        %slot = arith.addi %hd, %c2 : index
+        %slots = arith.muli %heads, %slot : index
+        %out_n = arith.muli %splits, %slots : index
+        %qm = stream.binding.subspan %q[%c0] : !stream.binding -> memref<?xf32>{{%q_n}}
+        %km = stream.binding.subspan %k[%c0] : !stream.binding -> memref<?xf32>{{%kv_n}}
+        %vm = stream.binding.subspan %v[%c0] : !stream.binding -> memref<?xf32>{{%kv_n}}
+        %pm = stream.binding.subspan %pos[%c0] : !stream.binding -> memref<?xi32>{{%pos_rows}}
+        %lm = stream.binding.subspan %lim[%c0] : !stream.binding -> memref<?xi32>{{%c2}}
+        %om = stream.binding.subspan %out[%c0] : !stream.binding -> memref<?xf32>{{%out_n}}
+        func.call @kvsnap_attend_1(%qm, %km, %vm, %pm, %lm, %om, %kvh, %group, %hd, %rows, %window, %scale, %wg, %splits) : (memref<?xf32>, memref<?xf32>, memref<?xf32>, memref<?xi32>, memref<?xi32>, memref<?xf32>, index, index, index, index, index, index, index, index) -> ()
         return
       }}
     }}

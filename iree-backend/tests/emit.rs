@@ -583,6 +583,14 @@ fn tensor_types(text: &str) -> Vec<Vec<usize>> {
         .collect()
 }
 
+/// How many of `cfg`'s layers are global.
+fn global_layers(cfg: &ModelConfig) -> usize {
+    cfg.layer_kinds
+        .iter()
+        .filter(|&&k| k == LayerKind::Global)
+        .count()
+}
+
 /// The text of function `@name` in `mlir` (up to the next function).
 fn function_of<'a>(mlir: &'a str, name: &str) -> &'a str {
     let start = mlir
@@ -597,11 +605,18 @@ fn function_of<'a>(mlir: &'a str, name: &str) -> &'a str {
 
 #[test]
 fn graphs_build_for_tiny_and_real_configs_with_the_head_sliced() {
-    let unscreened = GraphOptions {
-        screen: false,
+    // IREE's code throughout: the rows the graph's attention reads are what is checked here
+    // (the decode step's attention kernel skips the rows it cannot see instead:
+    // `own_kernels_take_the_chunk_projections_and_the_screen`).
+    let llvm_cpu = GraphOptions {
+        own_kernels: None,
         ..GraphOptions::llvm_cpu()
     };
-    let options = [GraphOptions::vulkan(), GraphOptions::llvm_cpu(), unscreened];
+    let unscreened = GraphOptions {
+        screen: false,
+        ..llvm_cpu
+    };
+    let options = [GraphOptions::vulkan(), llvm_cpu, unscreened];
     for (cfg, opts) in [config(Preset::Tiny), real_config()]
         .into_iter()
         .flat_map(|cfg| options.map(|o| (cfg.clone(), o)))
@@ -723,11 +738,7 @@ fn graphs_build_for_tiny_and_real_configs_with_the_head_sliced() {
             if c == 1 {
                 assert_eq!(ifs, 0, "{name}");
             } else {
-                let globals = cfg
-                    .layer_kinds
-                    .iter()
-                    .filter(|&&k| k == LayerKind::Global)
-                    .count();
+                let globals = global_layers(&cfg);
                 assert!(
                     ifs < base_ifs,
                     "{name}: {ifs} branches, {base_ifs} without a span"
@@ -1017,7 +1028,8 @@ fn prefill_products_deeper_than_640_are_split_into_blocks() {
 /// k and v; o; gate and up; down: four a layer), a chunk of rows in tiles of 4 keeps IREE's
 /// `mmt4d`s (split by depth), every screen's scores are one dispatch to the screen kernel over
 /// the whole int8 table (which is then never widened to f32) and its candidate rows one to
-/// the gather kernel, and the module's executable names the object.
+/// the gather kernel, every decode step's attention is one dispatch a layer to the attention
+/// kernel over the layer's whole buffers, and the module's executable names the object.
 #[test]
 fn own_kernels_take_the_chunk_projections_and_the_screen() {
     let cfg = real_config();
@@ -1049,7 +1061,7 @@ fn own_kernels_take_the_chunk_projections_and_the_screen() {
     assert_eq!(dispatches, entry_points(64) * layers * 4);
     let mmt4ds = g.mlir.matches("\"linalg.mmt4d\"").count();
     assert_eq!(mmt4ds, entry_points(12) * layers * (5 + 2 + 4));
-    // A 64-row chunk's q, k and v: 8 tiles of 8 rows against 48 panels, in runs of 3; its
+    // A 64-row chunk's q, k and v: 8 tiles of 8 rows against 48 panels, 16 workgroups; its
     // down product over the whole 2048-deep panels.
     assert!(g.mlir.contains(
         "(tensor<8x640x8x1xf32>, tensor<48x640x32xf32>, index, index, index, index) -> \
@@ -1087,6 +1099,40 @@ fn own_kernels_take_the_chunk_projections_and_the_screen() {
     assert!(!g
         .mlir
         .contains("(tensor<16384x640x16xi8>) -> tensor<16384x640x16xf32>"));
+    // The decode steps' attention: one kernel dispatch a layer, 12 splits, over the sliding
+    // layers' whole ring with its positions and the global layers' whole buffers; no scores
+    // tensor of one query row. The chunks keep the graph's attention.
+    let attends = g
+        .mlir
+        .matches("flow.dispatch @kvsnap_kernels::@attend_1[")
+        .count();
+    assert_eq!(attends, entry_points(1) * layers);
+    let ring = g.manifest.ring.rows;
+    let attend = |rows: usize| {
+        format!(
+            "(tensor<1x1x4x256xf32>, tensor<{rows}x1x256xf32>, tensor<{rows}x1x256xf32>, \
+             tensor<{ring}xi32>, tensor<2xi32>, index, index, index, index, index, index, index, \
+             index, index) -> tensor<12x1x4x258xf32>"
+        )
+    };
+    let globals = global_layers(&cfg);
+    assert_eq!(
+        g.mlir.matches(&attend(ring)).count(),
+        entry_points(1) * (layers - globals)
+    );
+    let capacity = cfg.context_capacity;
+    assert_eq!(
+        g.mlir.matches(&attend(capacity)).count(),
+        entry_points(1) * globals
+    );
+    let modulus = g.manifest.ring.modulus;
+    for e in g.manifest.entry_points.iter().filter(|e| e.chunk == 1) {
+        let body = function_of(&g.mlir, &e.name);
+        for rows in [modulus, ring, e.span] {
+            let scores = format!("tensor<1x1x4x{rows}xf32>");
+            assert!(!body.contains(&scores), "{}: scores {scores}", e.name);
+        }
+    }
     let without = GraphOptions {
         own_kernels: None,
         ..GraphOptions::llvm_cpu()

@@ -139,6 +139,9 @@ pub(super) struct Chunk {
     qpos: Value,
     /// First position after the chunk's valid rows: `[]` i32.
     end: Value,
+    /// The sliding rows' positions after the chunk's write (`p + 1`, 0 for an empty row):
+    /// `[ring rows]` i32.
+    positions: Value,
     /// Whether chunk row `i` is real (`i < valid`), per column: `[C]` i1.
     row_valid: Value,
 }
@@ -520,6 +523,7 @@ impl<'a> Forward<'a> {
             sliding_mask,
             qpos,
             end,
+            positions: positions.clone(),
             row_valid,
         };
         (chunk, positions)
@@ -722,12 +726,22 @@ impl<'a> Forward<'a> {
         let (k_buf, v_buf, o) = match kind {
             LayerKind::Sliding => {
                 let (k_buf, v_buf) = self.write_rows(&k, &v, k_buf, v_buf, &ch.ring_start);
+                if self.object_attention_fits(c) {
+                    let window = cfg.sliding_window;
+                    let o = self.object_attend(&q, &k_buf, &v_buf, ch, ch.sliding_rows, window);
+                    return self.attention_out(w, c, &o, k_buf, v_buf);
+                }
                 let (keys, values) = self.first_rows(&k_buf, &v_buf, ch.sliding_rows);
                 let o = self.attend(&q, &keys, &values, &ch.sliding_mask);
                 (k_buf, v_buf, o)
             }
             LayerKind::Global => {
                 let (k_buf, v_buf) = self.write_rows(&k, &v, k_buf, v_buf, &ch.global_start);
+                if self.object_attention_fits(c) {
+                    let rows = self.span.unwrap_or(cfg.context_capacity);
+                    let o = self.object_attend(&q, &k_buf, &v_buf, ch, rows, 0);
+                    return self.attention_out(w, c, &o, k_buf, v_buf);
+                }
                 let spans = match self.span {
                     Some(span) => vec![span],
                     None if self.opts.branches_for(c) => global_spans(cfg.context_capacity, c),
@@ -737,10 +751,92 @@ impl<'a> Forward<'a> {
                 (k_buf, v_buf, o)
             }
         };
+        self.attention_out(w, c, &o, k_buf, v_buf)
+    }
+
+    /// The o projection of attention's output `o` (`[kvh, C, g, hd]`), with the buffers.
+    fn attention_out(
+        &mut self,
+        w: &LayerWeights,
+        c: usize,
+        o: &Value,
+        k_buf: Value,
+        v_buf: Value,
+    ) -> (Value, Value, Value) {
+        let cfg = self.cfg;
         // [kvh, C, g, hd] -> [C, kvh, g, hd] -> [C, heads * hd]
-        let o = self.b.transpose(&o, &[1, 0, 2, 3]);
-        let o = self.b.reshape(&o, &[c, kvh * g * hd]);
+        let o = self.b.transpose(o, &[1, 0, 2, 3]);
+        let o = self
+            .b
+            .reshape(&o, &[c, cfg.num_attention_heads * cfg.head_dim]);
         (self.linear(&w.o_proj, &o, cfg.hidden_size), k_buf, v_buf)
+    }
+
+    /// Whether a `c`-row chunk's attention runs in kvsnap's kernel ([`Forward::object_attend`]):
+    /// with [`GraphOptions::own_kernels`], for the decode step's one row, where the model has no
+    /// score soft-capping and its heads fit the kernel (16-lane head dims, at most
+    /// [`kernels::ATTEND_MAX_GROUP`] query heads a key/value head).
+    fn object_attention_fits(&self, c: usize) -> bool {
+        let cfg = self.cfg;
+        self.opts.own_kernels.is_some()
+            && c == 1
+            && cfg.attn_logit_softcapping.is_none()
+            && cfg.head_dim.is_multiple_of(16)
+            && cfg.group_size() <= kernels::ATTEND_MAX_GROUP
+    }
+
+    /// The decode step's attention of `q` (`[1, kvh, g, hd]`) over the layer's buffers by
+    /// kvsnap's kernel ([`kernels`]): [`kernels::ATTEND_SPLITS`] workgroups, each over a
+    /// split of the first `rows` rows, read only where visible (a sliding layer's, `window`
+    /// set, by the ring's positions; a global layer's, `window` 0, up to the query), where the
+    /// graph's attention reads every row and masks. Each split gives its unnormalised
+    /// weighted sums `acc`, its maximum score `m` and its sum of weights `l` per query head;
+    /// they merge as `sum(e^(m - M) acc) / sum(e^(m - M) l)`, `M` the maximum of the `m`.
+    /// Returns `[kvh, 1, g, hd]`, as [`Forward::attend`].
+    fn object_attend(
+        &mut self,
+        q: &Value,
+        k_buf: &Value,
+        v_buf: &Value,
+        ch: &Chunk,
+        rows: usize,
+        window: usize,
+    ) -> Value {
+        let cfg = self.cfg;
+        let (kvh, g, hd) = (cfg.num_key_value_heads, cfg.group_size(), cfg.head_dim);
+        let splits = kernels::ATTEND_SPLITS;
+        let end = self.b.reshape(&ch.end, &[1]);
+        let lim = self.b.concatenate(&[&ch.qpos, &end], 0);
+        let scale = cfg.attn_scale().to_bits() as usize;
+        let (buf_rows, pos_rows) = (k_buf.dims()[0], ch.positions.dims()[0]);
+        let part = self.b.dispatch(
+            kernels::ATTEND_ENTRY,
+            &[splits],
+            &[q, k_buf, v_buf, &ch.positions, &lim],
+            &[kvh, g, hd, rows, window, scale, buf_rows, pos_rows, splits],
+            TensorType::f32(&[splits, kvh, g, hd + 2]),
+        );
+        let heads = [splits, kvh, g];
+        let field = |f: &mut Self, at: usize| {
+            let x = f.b.slice(&part, &[0, 0, 0, at], &[splits, kvh, g, at + 1]);
+            f.b.reshape(&x, &heads)
+        };
+        let (m, l) = (field(self, hd), field(self, hd + 1));
+        let acc = self.b.slice(&part, &[0, 0, 0, 0], &[splits, kvh, g, hd]);
+        let top = self.b.reduce(&m, Reduction::Max, &[0]);
+        let top = self.b.broadcast_in_dim(&top, &heads, &[1, 2]);
+        let weight = self.b.sub(&m, &top);
+        let weight = self.b.exp(&weight);
+        let l = self.b.mul(&weight, &l);
+        let sum = self.b.reduce(&l, Reduction::Sum, &[0]);
+        let weight = self
+            .b
+            .broadcast_in_dim(&weight, &[splits, kvh, g, hd], &[0, 1, 2]);
+        let acc = self.b.mul(&acc, &weight);
+        let acc = self.b.reduce(&acc, Reduction::Sum, &[0]);
+        let sum = self.b.broadcast_in_dim(&sum, &[kvh, g, hd], &[0, 1]);
+        let o = self.b.div(&acc, &sum);
+        self.b.reshape(&o, &[kvh, 1, g, hd])
     }
 
     /// `select(i < valid, x[i, ...], 0)` over the first (chunk) dim; `x` itself in a one-row

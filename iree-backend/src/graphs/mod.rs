@@ -149,9 +149,9 @@ pub struct GraphOptions {
     /// model adds about 5 s to llvm-cpu's compile.
     pub input: Input,
     /// Run the chunks' panel products (rows in tiles of [`kernels::MMT4D_ROWS`], panels of
-    /// [`kernels::MMT4D_LANES`] lanes) and the screened head's scores and candidate rows in
-    /// kvsnap's kernels, this object linked into the module, instead of IREE's code
-    /// ([`kernels`]). Requires [`WeightLayout::Panels`].
+    /// [`kernels::MMT4D_LANES`] lanes), the screened head's scores and candidate rows and the
+    /// decode step's attention in kvsnap's kernels, this object linked into the module,
+    /// instead of IREE's code ([`kernels`]). Requires [`WeightLayout::Panels`].
     pub own_kernels: Option<LinkedObject>,
 }
 
