@@ -196,10 +196,12 @@ void kvsnap_gather_16(MEMREF(const float, table), MEMREF(const int32_t, ids),
 // ---- The decode step's attention ------------------------------------------------------------
 
 // Visible rows a block of the attention takes at a time, the most query heads a key/value head
-// serves, and the running maximum of a split that has seen no visible row.
+// serves, the running maximum of a split that has seen no visible row, and how many visible
+// rows ahead of the one it scores the kernel prefetches.
 #define ATTEND_BLOCK 32
 #define ATTEND_MAX_GROUP 8
 #define ATTEND_EMPTY (-3.0e38f)
+#define ATTEND_AHEAD 4
 
 // e^x of 16 floats: 2^n e^r with n = round(x / ln 2) and r = x - n ln 2 in [-ln 2 / 2,
 // ln 2 / 2] (ln 2 in two parts, the first exact in n * C1), e^r by its Taylor series to degree
@@ -240,12 +242,22 @@ struct attend_head {
 };
 
 // Folds the visible rows `idx[0..n)` into `a`: their scores, a new running maximum, the old
-// sums rescaled, the rows' weights added. Each key row is read once for every query head.
+// sums rescaled, the rows' weights added. Each key row is read once for every query head; the
+// key and value rows `ATTEND_AHEAD` ahead are prefetched into L2 while a row is scored, so
+// memory streams while the arithmetic runs (the values are read again, from L2, for the sums).
 static void attend_block(const struct attend_head *a, const size_t *idx, size_t n) {
   const size_t hd = a->head_dim, slot = hd + 2;
   float s[ATTEND_MAX_GROUP][ATTEND_BLOCK];
+  for (size_t j = 0; j < ATTEND_AHEAD && j < n; ++j) {
+    prefetch_span(a->k + idx[j] * a->stride, hd * sizeof(float));
+    prefetch_span(a->v + idx[j] * a->stride, hd * sizeof(float));
+  }
   for (size_t j = 0; j < n; ++j) {
     const float *kr = a->k + idx[j] * a->stride;
+    if (j + ATTEND_AHEAD < n) {
+      prefetch_span(a->k + idx[j + ATTEND_AHEAD] * a->stride, hd * sizeof(float));
+      prefetch_span(a->v + idx[j + ATTEND_AHEAD] * a->stride, hd * sizeof(float));
+    }
     __m512 dot[ATTEND_MAX_GROUP];
     for (size_t g = 0; g < a->group; ++g)
       dot[g] = _mm512_setzero_ps();
@@ -348,9 +360,6 @@ void kvsnap_attend_1(MEMREF(const float, q), MEMREF(const float, k), MEMREF(cons
                           (window == 0 || kp > query - (int64_t)window);
       if (!visible)
         continue;
-      // The block's rows are fetched while the scan collects them, ahead of their use.
-      prefetch_span(a.k + r * a.stride, head_dim * sizeof(float));
-      prefetch_span(a.v + r * a.stride, head_dim * sizeof(float));
       idx[n++] = r;
       if (n == ATTEND_BLOCK) {
         attend_block(&a, idx, n);

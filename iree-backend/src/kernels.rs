@@ -53,8 +53,8 @@ pub const GATHER_ENTRY: &str = "kvsnap_kernels::@gather_16";
 /// Workgroups of the decode step's attention, each a contiguous split of a layer's key rows:
 /// fewer than 16, so that IREE's workers claim them one at a time on a 2-worker host (a
 /// sliding layer's visible rows are one or two runs of its ring; claimed 8 at a time, one
-/// worker could get most of them).
-pub const ATTEND_SPLITS: usize = 12;
+/// worker could get most of them). 8 splits ran a layer 2-3 us faster than 12 and 6 (docs/IREE.md).
+pub const ATTEND_SPLITS: usize = 8;
 /// Most query heads a key/value head serves in the attention kernel.
 pub const ATTEND_MAX_GROUP: usize = 8;
 /// The decode step's attention entry point.

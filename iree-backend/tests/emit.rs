@@ -1099,7 +1099,7 @@ fn own_kernels_take_the_chunk_projections_and_the_screen() {
     assert!(!g
         .mlir
         .contains("(tensor<16384x640x16xi8>) -> tensor<16384x640x16xf32>"));
-    // The decode steps' attention: one kernel dispatch a layer, 12 splits, over the sliding
+    // The decode steps' attention: one kernel dispatch a layer, 8 splits, over the sliding
     // layers' whole ring with its positions and the global layers' whole buffers; no scores
     // tensor of one query row. The chunks keep the graph's attention.
     let attends = g
@@ -1112,7 +1112,7 @@ fn own_kernels_take_the_chunk_projections_and_the_screen() {
         format!(
             "(tensor<1x1x4x256xf32>, tensor<{rows}x1x256xf32>, tensor<{rows}x1x256xf32>, \
              tensor<{ring}xi32>, tensor<2xi32>, index, index, index, index, index, index, index, \
-             index, index) -> tensor<12x1x4x258xf32>"
+             index, index) -> tensor<8x1x4x258xf32>"
         )
     };
     let globals = global_layers(&cfg);
