@@ -310,9 +310,9 @@ static void attend_block(const struct attend_head *a, const size_t *idx, size_t 
 // end) rows are the visible ones, `live`; a sliding layer's `live` is all `rows`. Workgroup
 // `wg` of `splits` takes rows [wg * live / splits, (wg + 1) * live / splits), skips the
 // invisible ones without reading them, and writes per key/value head and query head its
-// unnormalised sums, its
-// maximum score and its sum of weights (`out`: [splits][kv_heads][group][head_dim + 2]), merged
-// across splits by the graph. `scale_bits`: the f32 score scale's bits.
+// unnormalised sums, its maximum score and its sum of weights (`out`: [splits][kv_heads]
+// [group][head_dim + 2]), merged across splits by the graph. `scale_bits`: the f32 score
+// scale's bits.
 void kvsnap_attend_1(MEMREF(const float, q), MEMREF(const float, k), MEMREF(const float, v),
                      MEMREF(const int32_t, pos), MEMREF(const int32_t, lim), MEMREF(float, out),
                      size_t kv_heads, size_t group, size_t head_dim, size_t rows, size_t window,

@@ -142,6 +142,8 @@ pub(super) struct Chunk {
     /// The sliding rows' positions after the chunk's write (`p + 1`, 0 for an empty row):
     /// `[ring rows]` i32.
     positions: Value,
+    /// `{first query position, end}`: `[2]` i32, the attention kernel's limits.
+    bounds: Value,
     /// Whether chunk row `i` is real (`i < valid`), per column: `[C]` i1.
     row_valid: Value,
 }
@@ -511,6 +513,9 @@ impl<'a> Forward<'a> {
         let rope_global =
             self.rope_tables(&qpos, cfg.rope_theta_global, cfg.rope_linear_factor_global);
         let global_start = self.b.tensor_of(&pos0_host);
+        let first = self.b.slice(&qpos, &[0], &[1]);
+        let end_1 = self.b.reshape(&end, &[1]);
+        let bounds = self.b.concatenate(&[&first, &end_1], 0);
         let chunk = Chunk {
             c,
             pos0_host,
@@ -524,6 +529,7 @@ impl<'a> Forward<'a> {
             qpos,
             end,
             positions: positions.clone(),
+            bounds,
             row_valid,
         };
         (chunk, positions)
@@ -723,52 +729,39 @@ impl<'a> Forward<'a> {
         let k = self.zero_padding(&k, ch);
         let v = self.zero_padding(&v, ch);
 
+        let kernel = self.object_attention_fits(c);
         let (k_buf, v_buf, o) = match kind {
             LayerKind::Sliding => {
                 let (k_buf, v_buf) = self.write_rows(&k, &v, k_buf, v_buf, &ch.ring_start);
-                if self.object_attention_fits(c) {
+                let o = if kernel {
                     let window = cfg.sliding_window;
-                    let o = self.object_attend(&q, &k_buf, &v_buf, ch, ch.sliding_rows, window);
-                    return self.attention_out(w, c, &o, k_buf, v_buf);
-                }
-                let (keys, values) = self.first_rows(&k_buf, &v_buf, ch.sliding_rows);
-                let o = self.attend(&q, &keys, &values, &ch.sliding_mask);
+                    self.object_attend(&q, &k_buf, &v_buf, ch, ch.sliding_rows, window)
+                } else {
+                    let (keys, values) = self.first_rows(&k_buf, &v_buf, ch.sliding_rows);
+                    self.attend(&q, &keys, &values, &ch.sliding_mask)
+                };
                 (k_buf, v_buf, o)
             }
             LayerKind::Global => {
                 let (k_buf, v_buf) = self.write_rows(&k, &v, k_buf, v_buf, &ch.global_start);
-                if self.object_attention_fits(c) {
+                let o = if kernel {
+                    // The kernel reads the visible rows only, whatever the span.
                     let rows = self.span.unwrap_or(cfg.context_capacity);
-                    let o = self.object_attend(&q, &k_buf, &v_buf, ch, rows, 0);
-                    return self.attention_out(w, c, &o, k_buf, v_buf);
-                }
-                let spans = match self.span {
-                    Some(span) => vec![span],
-                    None if self.opts.branches_for(c) => global_spans(cfg.context_capacity, c),
-                    None => vec![cfg.context_capacity],
+                    self.object_attend(&q, &k_buf, &v_buf, ch, rows, 0)
+                } else {
+                    let spans = match self.span {
+                        Some(span) => vec![span],
+                        None if self.opts.branches_for(c) => global_spans(cfg.context_capacity, c),
+                        None => vec![cfg.context_capacity],
+                    };
+                    self.attend_live(&q, &k_buf, &v_buf, ch, &spans)
                 };
-                let o = self.attend_live(&q, &k_buf, &v_buf, ch, &spans);
                 (k_buf, v_buf, o)
             }
         };
-        self.attention_out(w, c, &o, k_buf, v_buf)
-    }
-
-    /// The o projection of attention's output `o` (`[kvh, C, g, hd]`), with the buffers.
-    fn attention_out(
-        &mut self,
-        w: &LayerWeights,
-        c: usize,
-        o: &Value,
-        k_buf: Value,
-        v_buf: Value,
-    ) -> (Value, Value, Value) {
-        let cfg = self.cfg;
         // [kvh, C, g, hd] -> [C, kvh, g, hd] -> [C, heads * hd]
-        let o = self.b.transpose(o, &[1, 0, 2, 3]);
-        let o = self
-            .b
-            .reshape(&o, &[c, cfg.num_attention_heads * cfg.head_dim]);
+        let o = self.b.transpose(&o, &[1, 0, 2, 3]);
+        let o = self.b.reshape(&o, &[c, kvh * g * hd]);
         (self.linear(&w.o_proj, &o, cfg.hidden_size), k_buf, v_buf)
     }
 
@@ -805,14 +798,12 @@ impl<'a> Forward<'a> {
         let cfg = self.cfg;
         let (kvh, g, hd) = (cfg.num_key_value_heads, cfg.group_size(), cfg.head_dim);
         let splits = kernels::ATTEND_SPLITS;
-        let end = self.b.reshape(&ch.end, &[1]);
-        let lim = self.b.concatenate(&[&ch.qpos, &end], 0);
         let scale = cfg.attn_scale().to_bits() as usize;
         let (buf_rows, pos_rows) = (k_buf.dims()[0], ch.positions.dims()[0]);
         let part = self.b.dispatch(
             kernels::ATTEND_ENTRY,
             &[splits],
-            &[q, k_buf, v_buf, &ch.positions, &lim],
+            &[q, k_buf, v_buf, &ch.positions, &ch.bounds],
             &[kvh, g, hd, rows, window, scale, buf_rows, pos_rows, splits],
             TensorType::f32(&[splits, kvh, g, hd + 2]),
         );
