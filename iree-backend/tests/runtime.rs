@@ -3,21 +3,17 @@
 //! device (lavapipe in CI). Also records how IREE treats cache arguments (in place or not): the
 //! findings are written up in docs/IREE.md.
 
-use std::sync::{Arc, OnceLock};
+mod common;
 
+use std::sync::Arc;
+
+use common::{compiler, devices, instance, load, ADD};
 use kvsnap_contract::Error;
 use kvsnap_iree::compile::{Compiler, Target};
 use kvsnap_iree::runtime::{
     Arg, BufferView, Device, DeviceKind, ElementType, ImportMode, Instance, Session, Transfer,
     HOST_IMPORT_ALIGNMENT,
 };
-
-const ADD: &str = r#"
-func.func @add(%a: tensor<4xf32>, %b: tensor<4xf32>) -> tensor<4xf32> {
-  %0 = stablehlo.add %a, %b : tensor<4xf32>
-  return %0 : tensor<4xf32>
-}
-"#;
 
 /// Cache rows R, width W. A dynamic_update_slice of one row at a runtime position.
 const DUS: &str = r#"
@@ -61,39 +57,6 @@ func.func @scatter(%cache: tensor<16x8xf32>, %rows: tensor<3x8xf32>, %base: tens
 
 const ROWS: usize = 16;
 const WIDTH: usize = 8;
-
-fn instance() -> &'static Instance {
-    static INSTANCE: OnceLock<Instance> = OnceLock::new();
-    INSTANCE.get_or_init(|| Instance::new().expect("IREE instance"))
-}
-
-fn compiler() -> &'static Compiler {
-    static COMPILER: OnceLock<Compiler> = OnceLock::new();
-    COMPILER.get_or_init(|| {
-        Compiler::discover().expect("iree-compile 3.13 (run scripts/setup-iree.sh)")
-    })
-}
-
-/// The CPU device, plus the first Vulkan device when one exists (else a visible SKIPPED note).
-fn devices() -> Vec<(Device, Target)> {
-    let mut out = vec![(
-        Device::cpu(instance()).expect("cpu device"),
-        Target::LlvmCpu,
-    )];
-    match Device::vulkan(instance(), 0) {
-        Ok(d) => out.push((d, Target::VulkanSpirv)),
-        Err(Error::Unsupported { .. }) => eprintln!("SKIPPED: no Vulkan device"),
-        Err(e) => panic!("opening the Vulkan device failed: {e}"),
-    }
-    out
-}
-
-fn load(device: &Device, target: Target, mlir: &str) -> Session {
-    let compiled = compiler()
-        .compile(mlir, target, &mut |p| eprintln!("{p}"))
-        .expect("compile");
-    Session::new(device, &compiled.vmfb).expect("load module")
-}
 
 /// Cache contents where element (r, c) is r * 100 + c.
 fn cache_values() -> Vec<f32> {
@@ -410,116 +373,6 @@ fn vmfb_for_another_target_is_rejected_with_iree_text() {
     let (op, status) = backend_text(err);
     eprintln!("IREE on a vulkan vmfb on the CPU: {op}: {status}");
     assert!(!status.is_empty());
-}
-
-/// Resident set size of this process (Linux), for leak checks where allocator statistics are blind.
-fn resident_bytes() -> u64 {
-    let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
-    let pages: u64 = statm
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
-    pages * 4096
-}
-
-#[test]
-fn twenty_thousand_calls_keep_memory_flat() {
-    // Each call creates a semaphore, its signal fence and a timepoint block (`runtime::wait`):
-    // a leak of any of them, a few hundred bytes, would be several MiB over these calls.
-    const CALLS: usize = 20_000;
-    for (device, target) in devices() {
-        let session = load(&device, target, ADD);
-        let a = BufferView::from_f32(&device, &[4], &[1.0, 2.0, 3.0, 4.0]).unwrap();
-        let call = || {
-            let out = session.call("add", &[&a, &a]).unwrap();
-            assert_eq!(out.len(), 1);
-        };
-        let views_before = device.live_buffer_views();
-        for _ in 0..200 {
-            call(); // warm-up: pools and caches reach their steady size
-        }
-        let rss_warm = resident_bytes();
-        let start = std::time::Instant::now();
-        for _ in 0..CALLS {
-            call();
-        }
-        let rss_growth = resident_bytes().saturating_sub(rss_warm);
-        eprintln!(
-            "{}: {CALLS} calls in {:?}, resident growth {} KiB",
-            target.name(),
-            start.elapsed(),
-            rss_growth / 1024
-        );
-        assert_eq!(device.live_buffer_views(), views_before, "{target:?}");
-        assert!(
-            rss_growth < 2 << 20,
-            "{target:?}: resident size grew by {rss_growth} bytes over {CALLS} calls"
-        );
-    }
-}
-
-#[test]
-fn thousand_allocate_copy_release_cycles_keep_memory_flat() {
-    // 64 KiB per buffer: a leak of one buffer per cycle would be 64 MiB (or 128 MiB), far above the
-    // resident-size slack below.
-    const SHAPE: [usize; 2] = [64, 256];
-    let data: Vec<f32> = (0..SHAPE[0] * SHAPE[1]).map(|i| i as f32).collect();
-    for (device, target) in devices() {
-        let session = load(&device, target, ADD);
-        let cycle = |i: usize| {
-            let v = BufferView::from_f32(&device, &SHAPE, &data).unwrap();
-            let c = v.device_copy().unwrap();
-            if i.is_multiple_of(100) {
-                let a = BufferView::from_f32(&device, &[4], &[1.0; 4]).unwrap();
-                let out = session.call("add", &[&a, &a]).unwrap();
-                assert_eq!(out[0].to_f32_vec().unwrap(), vec![2.0; 4]);
-                assert_eq!(c.to_f32_vec().unwrap(), data);
-            }
-        };
-        let views_before = device.live_buffer_views();
-        for i in 0..10 {
-            cycle(i); // warm-up: pools and caches reach their steady size
-        }
-        let warm = device.allocator_stats();
-        let rss_warm = resident_bytes();
-        for i in 0..1000 {
-            cycle(i);
-        }
-        let stats = device.allocator_stats();
-        let rss_growth = resident_bytes().saturating_sub(rss_warm);
-        eprintln!(
-            "{}: after 1000 cycles: allocator {stats:?}, resident growth {} KiB",
-            target.name(),
-            rss_growth / 1024
-        );
-        assert_eq!(device.live_buffer_views(), views_before, "{target:?}");
-        assert!(
-            rss_growth < 16 << 20,
-            "{target:?}: resident size grew by {rss_growth} bytes"
-        );
-        let allocated = |s: &kvsnap_iree::runtime::AllocatorStats| {
-            s.host_bytes_allocated + s.device_bytes_allocated
-        };
-        assert!(
-            allocated(&stats) >= allocated(&warm) + 1000 * 2 * 65536,
-            "the allocator statistics must see the allocations: {stats:?}"
-        );
-        if device.kind() == DeviceKind::Cpu {
-            // The CPU heap allocator records every free, so live bytes must be flat, and the peak
-            // too but for a few buffers: a copy's source is released when its queue operation
-            // retires, which on a loaded machine can lag a cycle or two (full test runs on a
-            // shared host read one and two buffers more). A leak would add 64 MiB.
-            // (IREE 3.13's Vulkan allocator records pool allocations but not their frees, so its
-            // statistics cannot show a leak: the resident size above covers it.)
-            let buffer = (SHAPE[0] * SHAPE[1] * std::mem::size_of::<f32>()) as u64;
-            assert_eq!(stats.live_bytes(), warm.live_bytes(), "{stats:?}");
-            assert!(
-                stats.device_bytes_peak <= warm.device_bytes_peak + 8 * buffer,
-                "peak grew by more than 8 buffers: warm {warm:?}, after {stats:?}"
-            );
-        }
-    }
 }
 
 /// Host bytes at `offset` inside an owned allocation, so the test controls alignment.
