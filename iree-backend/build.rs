@@ -1,8 +1,8 @@
 //! Compiles kvsnap's AVX-512 kernels (`kernels/avx512.c`: the chunks' panel products, the
-//! screened head's scores and candidate rows, the decode step's attention) into the object
-//! that llvm-cpu modules link on hosts with AVX-512 (`kvsnap_iree::kernels`). Only for x86-64
-//! targets, with the C compiler `cc` finds (gcc or clang); where there is none or it fails, a
-//! warning says so and the modules keep IREE's own code for that work.
+//! screened head's scores and candidate rows, the decode step's and the chunks' attention)
+//! into the object that llvm-cpu modules link on hosts with AVX-512 (`kvsnap_iree::kernels`).
+//! Only for x86-64 targets, with the C compiler `cc` finds (gcc or clang); where there is none
+//! or it fails, a warning says so and the modules keep IREE's own code for that work.
 
 use std::path::PathBuf;
 use std::process::Command;

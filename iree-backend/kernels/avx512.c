@@ -28,6 +28,11 @@
 // - `kvsnap_attend_1`, the decode step's attention over a layer's K/V buffers: it reads only
 //   the rows the query can see (the graph's attention reads and masks every row of the ring
 //   or the span), in splits whose running sums the graph merges.
+// - `kvsnap_attend_c`, a chunk's attention: 16 (row, query head) pairs of a key/value head in
+//   the lanes of each workgroup's register tiles (a key's element broadcast against all 16
+//   queries), over the rows any of them sees, masked per lane, with flash-style running sums.
+//   IREE's matmuls over every row of the ring or the span ran at about a third of the SGEMM
+//   rate (24-row chunks: M = 96).
 
 #include <immintrin.h>
 #include <stddef.h>
@@ -200,6 +205,7 @@ void kvsnap_gather_16(MEMREF(const float, table), MEMREF(const int32_t, ids),
 // rows ahead of the one it scores the kernel prefetches.
 #define ATTEND_BLOCK 32
 #define ATTEND_MAX_GROUP 8
+#define ATTEND_MAX_HEAD_DIM 256
 #define ATTEND_EMPTY (-3.0e38f)
 #define ATTEND_AHEAD 4
 
@@ -222,6 +228,15 @@ static inline __attribute__((always_inline)) __m512 exp16(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(p, n);
+}
+
+// The f32 whose bits are the low 32 of `bits` (a float passed as an index operand).
+static inline __attribute__((always_inline)) float f32_of_bits(size_t bits) {
+  union {
+    uint32_t bits;
+    float f;
+  } x = {.bits = (uint32_t)bits};
+  return x.f;
 }
 
 // Every line of `bytes` at `p` into L2.
@@ -323,10 +338,7 @@ void kvsnap_attend_1(MEMREF(const float, q), MEMREF(const float, k), MEMREF(cons
   pos = AT(pos);
   lim = AT(lim);
   out = AT(out);
-  union {
-    uint32_t bits;
-    float f;
-  } scale = {.bits = (uint32_t)scale_bits};
+  const float scale = f32_of_bits(scale_bits);
   const int64_t query = lim[0], end = lim[1];
   size_t live = rows; // the rows the splits divide
   if (!window) {
@@ -344,7 +356,7 @@ void kvsnap_attend_1(MEMREF(const float, q), MEMREF(const float, k), MEMREF(cons
         .group = group,
         .head_dim = head_dim,
         .stride = kv_heads * head_dim,
-        .scale = scale.f,
+        .scale = scale,
     };
     for (size_t g = 0; g < group; ++g) {
       float *acc = a.acc + g * slot;
@@ -368,5 +380,214 @@ void kvsnap_attend_1(MEMREF(const float, q), MEMREF(const float, k), MEMREF(cons
     }
     if (n)
       attend_block(&a, idx, n);
+  }
+}
+
+// ---- A chunk's attention ----------------------------------------------------------------------
+
+// Query rows a workgroup of a chunk's attention takes (one vector's lanes), the key rows it
+// folds in at a time, and where it prefetches the next block's rows to (L2: into L1 they
+// evicted the block's own working set, 48 KiB beside the 16 KiB of rows).
+#define CHUNK_LANES 16
+#define CHUNK_KEYS 16
+#define CHUNK_HINT _MM_HINT_T1
+
+// One workgroup's state over a chunk's attention: its 16 query rows in the lanes, `qt`
+// [head_dim][16] (the queries transposed, so that a key's element times every query is one
+// FMA of a broadcast), `ot` [head_dim][16] the unnormalised weighted sums, `m` and `l` each
+// lane's running maximum and sum of weights, `qp` each lane's query position. `rows`
+// [head_dim / 16][CHUNK_KEYS][16] holds a block's key rows, then its value rows, in pieces of
+// 16 floats, so that every broadcast of a row's element is at a fixed offset from one pointer
+// and the rows are read in order.
+struct chunk_tile {
+  const float *k, *v; // row 0 of this key/value head's keys and values, rows `stride` apart
+  size_t stride, head_dim;
+  float scale;
+  int64_t window;
+  const float *qt;
+  float *ot, *rows;
+  __m512i qp;
+  __m512 m, l;
+  const size_t *next; // the next block's rows, prefetched while this one runs
+  size_t next_n;
+};
+
+// Copies the rows `idx[0..n)` of `src` into `t->rows` (a missing row, n < CHUNK_KEYS,
+// repeats the last).
+static inline __attribute__((always_inline)) void
+chunk_rows(const struct chunk_tile *t, const float *src, const size_t *idx, size_t n) {
+  for (size_t j = 0; j < CHUNK_KEYS; ++j) {
+    const float *row = src + idx[j < n ? j : n - 1] * t->stride;
+    for (size_t c = 0; c < t->head_dim; c += 16)
+      _mm512_storeu_ps(t->rows + c * CHUNK_KEYS + j * 16, _mm512_loadu_ps(row + c));
+  }
+}
+
+// Folds the key rows `idx[0..n)` (n <= CHUNK_KEYS, positions `kp`) into the tile: their
+// scores, each lane's mask (the key at or before the lane's query and, with a window, within
+// it), the new running maximum, the old sums rescaled and the rows' weights added.
+static void chunk_block(struct chunk_tile *t, const size_t *idx, const int64_t *kp, size_t n) {
+  const size_t hd = t->head_dim;
+  chunk_rows(t, t->k, idx, n);
+  __m512 s[CHUNK_KEYS];
+  for (size_t j = 0; j < CHUNK_KEYS; ++j)
+    s[j] = _mm512_setzero_ps();
+  for (size_t c = 0; c < hd; c += 16) {
+    const float *piece = t->rows + c * CHUNK_KEYS;
+    for (size_t j = 0; j < t->next_n; ++j)
+      _mm_prefetch((const char *)(t->k + t->next[j] * t->stride + c), CHUNK_HINT);
+    for (size_t d = 0; d < 16; ++d) {
+      const __m512 qd = _mm512_loadu_ps(t->qt + (c + d) * CHUNK_LANES);
+      for (size_t j = 0; j < CHUNK_KEYS; ++j)
+        s[j] = _mm512_fmadd_ps(qd, _mm512_set1_ps(piece[j * 16 + d]), s[j]);
+    }
+  }
+  chunk_rows(t, t->v, idx, n);
+  const __m512 scale = _mm512_set1_ps(t->scale);
+  __mmask16 seen[CHUNK_KEYS];
+  __m512 top = t->m;
+  for (size_t j = 0; j < n; ++j) {
+    const __m512i key = _mm512_set1_epi32((int32_t)kp[j]);
+    __mmask16 vis = _mm512_cmple_epi32_mask(key, t->qp);
+    if (t->window) {
+      const __m512i w = _mm512_set1_epi32((int32_t)t->window);
+      vis &= _mm512_cmpgt_epi32_mask(key, _mm512_sub_epi32(t->qp, w));
+    }
+    seen[j] = vis;
+    s[j] = _mm512_mul_ps(s[j], scale);
+    top = _mm512_mask_max_ps(top, vis, top, s[j]);
+  }
+  const __m512 corr = exp16(_mm512_sub_ps(t->m, top));
+  // Once every lane's maximum has settled, the sums need no rescaling.
+  const int rescale = _mm512_cmpneq_ps_mask(t->m, top) != 0;
+  __m512 sum = _mm512_setzero_ps();
+  for (size_t j = 0; j < n; ++j) {
+    s[j] = _mm512_maskz_mov_ps(seen[j], exp16(_mm512_sub_ps(s[j], top)));
+    sum = _mm512_add_ps(sum, s[j]);
+  }
+  t->l = _mm512_fmadd_ps(t->l, corr, sum);
+  t->m = top;
+  for (size_t c = 0; c < hd; c += 16) {
+    float *ot = t->ot + c * CHUNK_LANES;
+    const float *piece = t->rows + c * CHUNK_KEYS;
+    for (size_t j = 0; j < t->next_n; ++j)
+      _mm_prefetch((const char *)(t->v + t->next[j] * t->stride + c), CHUNK_HINT);
+    __m512 o[16];
+    for (size_t cc = 0; cc < 16; ++cc) {
+      o[cc] = _mm512_loadu_ps(ot + cc * CHUNK_LANES);
+      if (rescale)
+        o[cc] = _mm512_mul_ps(o[cc], corr);
+    }
+    for (size_t j = 0; j < n; ++j)
+      for (size_t cc = 0; cc < 16; ++cc)
+        o[cc] = _mm512_fmadd_ps(s[j], _mm512_set1_ps(piece[j * 16 + cc]), o[cc]);
+    for (size_t cc = 0; cc < 16; ++cc)
+      _mm512_storeu_ps(ot + cc * CHUNK_LANES, o[cc]);
+  }
+}
+
+// Where a workgroup's scan of the key rows stands: the next row, the rows it scans, and the
+// positions any of its queries sees, [lo, hi]; `pos` the ring's positions (null for a global
+// layer, whose row r holds position r).
+struct chunk_scan {
+  const int32_t *pos;
+  size_t row, live;
+  int64_t lo, hi;
+};
+
+// The next up to CHUNK_KEYS visible rows and their positions; 0 at the end.
+static size_t chunk_next(struct chunk_scan *sc, size_t *idx, int64_t *kp) {
+  size_t n = 0;
+  for (; sc->row < sc->live && n < CHUNK_KEYS; ++sc->row) {
+    const int64_t p = sc->pos ? (int64_t)sc->pos[sc->row] - 1 : (int64_t)sc->row;
+    if (p < 0 || p < sc->lo || p > sc->hi)
+      continue;
+    idx[n] = sc->row;
+    kp[n++] = p;
+  }
+  return n;
+}
+
+// A chunk's attention, one key/value head and 16 query rows per workgroup: `q` [chunk]
+// [kv_heads][group][head_dim], `k`, `v`, `pos` and `lim` as for `kvsnap_attend_1` (`lim[0]`
+// the chunk's first query position; query row i is at lim[0] + i), `out` [kv_heads][chunk]
+// [group][head_dim], normalised. The query rows of a key/value head are its chunk x group
+// (row, query head) pairs in order; workgroup `wg` takes head wg / tiles and pairs
+// [16 (wg % tiles), 16 (wg % tiles) + 16), tiles = ceil(chunk x group / 16). It reads the key
+// rows visible to any of its queries, in blocks of CHUNK_KEYS, and masks per query.
+void kvsnap_attend_c(MEMREF(const float, q), MEMREF(const float, k), MEMREF(const float, v),
+                     MEMREF(const int32_t, pos), MEMREF(const int32_t, lim), MEMREF(float, out),
+                     size_t kv_heads, size_t group, size_t head_dim, size_t rows, size_t window,
+                     size_t scale_bits, size_t chunk, size_t wg) {
+  q = AT(q);
+  k = AT(k);
+  v = AT(v);
+  pos = AT(pos);
+  lim = AT(lim);
+  out = AT(out);
+  const float scale = f32_of_bits(scale_bits);
+  const size_t pairs = chunk * group, tiles = (pairs + CHUNK_LANES - 1) / CHUNK_LANES;
+  const size_t h = wg / tiles, r0 = (wg % tiles) * CHUNK_LANES;
+  const size_t lanes = pairs - r0 < CHUNK_LANES ? pairs - r0 : CHUNK_LANES;
+  const int64_t first = lim[0], end = lim[1];
+  float qt[ATTEND_MAX_HEAD_DIM * CHUNK_LANES], ot[ATTEND_MAX_HEAD_DIM * CHUNK_LANES];
+  float rows_buf[ATTEND_MAX_HEAD_DIM * CHUNK_KEYS];
+  int32_t qp[CHUNK_LANES];
+  for (size_t l = 0; l < CHUNK_LANES; ++l) {
+    const size_t r = r0 + l, i = r / group, g = r % group;
+    for (size_t d = 0; d < head_dim; ++d) {
+      qt[d * CHUNK_LANES + l] = 0.0f;
+      ot[d * CHUNK_LANES + l] = 0.0f;
+    }
+    // A lane past the last pair sees no key (every position is at least 0).
+    qp[l] = -1;
+    if (l < lanes) {
+      const float *row = q + ((i * kv_heads + h) * group + g) * head_dim;
+      for (size_t d = 0; d < head_dim; ++d)
+        qt[d * CHUNK_LANES + l] = row[d];
+      qp[l] = (int32_t)(first + (int64_t)i);
+    }
+  }
+  struct chunk_tile t = {
+      .k = k + h * head_dim,
+      .v = v + h * head_dim,
+      .stride = kv_heads * head_dim,
+      .head_dim = head_dim,
+      .scale = scale,
+      .window = (int64_t)window,
+      .qt = qt,
+      .ot = ot,
+      .rows = rows_buf,
+      .qp = _mm512_loadu_si512(qp),
+      .m = _mm512_set1_ps(ATTEND_EMPTY),
+      .l = _mm512_setzero_ps(),
+  };
+  // The positions any lane sees: [lo, hi], and below `end`.
+  const int64_t qlo = first + (int64_t)(r0 / group);
+  const int64_t qhi = first + (int64_t)((r0 + lanes - 1) / group);
+  const int64_t lo = window ? qlo - (int64_t)window + 1 : 0;
+  const int64_t hi = qhi < end - 1 ? qhi : end - 1;
+  size_t live = rows;
+  if (!window)
+    live = hi < 0 ? 0 : (size_t)hi + 1 < rows ? (size_t)hi + 1 : rows;
+  struct chunk_scan scan = {
+      .pos = window ? pos : NULL, .row = 0, .live = live, .lo = lo, .hi = hi};
+  size_t idx[2][CHUNK_KEYS];
+  int64_t kp[2][CHUNK_KEYS];
+  size_t n = chunk_next(&scan, idx[0], kp[0]);
+  for (int cur = 0; n; cur ^= 1) {
+    t.next = idx[cur ^ 1];
+    t.next_n = chunk_next(&scan, idx[cur ^ 1], kp[cur ^ 1]);
+    chunk_block(&t, idx[cur], kp[cur], n);
+    n = t.next_n;
+  }
+  float l_sum[CHUNK_LANES];
+  _mm512_storeu_ps(l_sum, t.l);
+  for (size_t l = 0; l < lanes; ++l) {
+    float *o = out + (h * pairs + r0 + l) * head_dim;
+    // A padding row may see no key (its window past the chunk's last written position).
+    const float inv = l_sum[l] > 0.0f ? 1.0f / l_sum[l] : 0.0f;
+    for (size_t d = 0; d < head_dim; ++d)
+      o[d] = ot[d * CHUNK_LANES + l] * inv;
   }
 }

@@ -14,6 +14,10 @@
 //! - The decode step's attention: one dispatch a layer, in splits of the key rows that read
 //!   only the visible ones, where the graph's attention reads and masks all of them
 //!   ([`ATTEND_SPLITS`]; merged by the graph).
+//! - A chunk's attention: one dispatch a layer, each workgroup 16 of a key/value head's
+//!   (row, query head) pairs in the lanes of register tiles, over the key rows any of them
+//!   sees, where IREE's matmuls ran at about a third of the SGEMM rate over every row of the
+//!   ring or the span ([`ATTEND_CHUNK_LANES`]).
 //!
 //! The graphs call them through `flow.dispatch` of an executable whose
 //! `hal.executable.objects` name the object ([`executable`]); the compiler finds the object
@@ -59,6 +63,12 @@ pub const ATTEND_SPLITS: usize = 8;
 pub const ATTEND_MAX_GROUP: usize = 8;
 /// The decode step's attention entry point.
 pub const ATTEND_ENTRY: &str = "kvsnap_kernels::@attend_1";
+/// Query rows (a chunk's row and query head pairs) a workgroup of a chunk's attention takes.
+pub const ATTEND_CHUNK_LANES: usize = 16;
+/// Largest head dimension the chunk's attention kernel holds (its per-workgroup buffers).
+pub const ATTEND_MAX_HEAD_DIM: usize = 256;
+/// A chunk's attention entry point.
+pub const ATTEND_CHUNK_ENTRY: &str = "kvsnap_kernels::@attend_c";
 
 #[cfg(kvsnap_kernel_object)]
 const OBJECT: Option<&[u8]> = Some(include_bytes!(concat!(env!("OUT_DIR"), "/avx512.o")));
@@ -108,7 +118,13 @@ fn host_has_avx512() -> bool {
 ///   i32), `{query position, end}` (`[2]` i32) and `kv_heads, group, head_dim, rows, window,
 ///   scale bits, buf_rows, pos_rows, splits`, and returns each split's unnormalised sums,
 ///   maximum score and sum of weights per query head (`[splits, kv_heads, group,
-///   head_dim + 2]`): see `kvsnap_attend_1` in the C source.
+///   head_dim + 2]`): see `kvsnap_attend_1` in the C source;
+/// - `attend_c` takes a chunk's query rows (`[chunk, kv_heads, group, head_dim]`), the same K,
+///   V, positions and `{first query position, end}`, and `kv_heads, group, head_dim, rows,
+///   window, scale bits, buf_rows, pos_rows, chunk, workgroups`, and returns the normalised
+///   attention `[kv_heads, chunk, group, head_dim]`; one workgroup for every
+///   [`ATTEND_CHUNK_LANES`] of a key/value head's `chunk x group` (row, query head) pairs: see
+///   `kvsnap_attend_c` in the C source.
 pub fn executable(object: &LinkedObject) -> String {
     format!(
         r#"  stream.executable private @kvsnap_kernels attributes {{
@@ -135,11 +151,16 @@ pub fn executable(object: &LinkedObject) -> String {
       %c1 = arith.constant 1 : index
       stream.return %splits, %c1, %c1 : index, index, index
     }}
+    stream.executable.export public @attend_c workgroups(%groups: index) -> (index, index, index) {{
+      %c1 = arith.constant 1 : index
+      stream.return %groups, %c1, %c1 : index, index, index
+    }}
     builtin.module {{
       func.func private @kvsnap_mmt4d_8x32(memref<?xf32>, memref<?xf32>, memref<?xf32>, index, index, index, index, index) attributes {{hal.import.static}}
       func.func private @kvsnap_screen_16(memref<?xi8>, memref<?xf32>, memref<?xf32>, index, index, index, index) attributes {{hal.import.static}}
       func.func private @kvsnap_gather_16(memref<?xf32>, memref<?xi32>, memref<?xf32>, index, index, index) attributes {{hal.import.static}}
       func.func private @kvsnap_attend_1(memref<?xf32>, memref<?xf32>, memref<?xf32>, memref<?xi32>, memref<?xi32>, memref<?xf32>, index, index, index, index, index, index, index, index) attributes {{hal.import.static}}
+      func.func private @kvsnap_attend_c(memref<?xf32>, memref<?xf32>, memref<?xf32>, memref<?xi32>, memref<?xi32>, memref<?xf32>, index, index, index, index, index, index, index, index) attributes {{hal.import.static}}
       func.func @mmt4d_8x32(%lhs: !stream.binding, %rhs: !stream.binding, %m1: index, %panels: index, %depth: index, %groups: index, %out: !stream.binding) {{
         %c0 = arith.constant 0 : index
         %rows = arith.constant {rows} : index
@@ -202,6 +223,24 @@ pub fn executable(object: &LinkedObject) -> String {
         %lm = stream.binding.subspan %lim[%c0] : !stream.binding -> memref<?xi32>{{%c2}}
         %om = stream.binding.subspan %out[%c0] : !stream.binding -> memref<?xf32>{{%out_n}}
         func.call @kvsnap_attend_1(%qm, %km, %vm, %pm, %lm, %om, %kvh, %group, %hd, %rows, %window, %scale, %wg, %splits) : (memref<?xf32>, memref<?xf32>, memref<?xf32>, memref<?xi32>, memref<?xi32>, memref<?xf32>, index, index, index, index, index, index, index, index) -> ()
+        return
+      }}
+      func.func @attend_c(%q: !stream.binding, %k: !stream.binding, %v: !stream.binding, %pos: !stream.binding, %lim: !stream.binding, %kvh: index, %group: index, %hd: index, %rows: index, %window: index, %scale: index, %buf_rows: index, %pos_rows: index, %chunk: index, %groups: index, %out: !stream.binding) {{
+        %c0 = arith.constant 0 : index
+        %c2 = arith.constant 2 : index
+        %wg = stream.dispatch.workgroup.id[0] : index
+        %heads = arith.muli %kvh, %group : index
+        %q_row = arith.muli %heads, %hd : index
+        %q_n = arith.muli %chunk, %q_row : index
+        %row_n = arith.muli %kvh, %hd : index
+        %kv_n = arith.muli %buf_rows, %row_n : index
+        %qm = stream.binding.subspan %q[%c0] : !stream.binding -> memref<?xf32>{{%q_n}}
+        %km = stream.binding.subspan %k[%c0] : !stream.binding -> memref<?xf32>{{%kv_n}}
+        %vm = stream.binding.subspan %v[%c0] : !stream.binding -> memref<?xf32>{{%kv_n}}
+        %pm = stream.binding.subspan %pos[%c0] : !stream.binding -> memref<?xi32>{{%pos_rows}}
+        %lm = stream.binding.subspan %lim[%c0] : !stream.binding -> memref<?xi32>{{%c2}}
+        %om = stream.binding.subspan %out[%c0] : !stream.binding -> memref<?xf32>{{%q_n}}
+        func.call @kvsnap_attend_c(%qm, %km, %vm, %pm, %lm, %om, %kvh, %group, %hd, %rows, %window, %scale, %chunk, %wg) : (memref<?xf32>, memref<?xf32>, memref<?xf32>, memref<?xi32>, memref<?xi32>, memref<?xf32>, index, index, index, index, index, index, index, index) -> ()
         return
       }}
     }}

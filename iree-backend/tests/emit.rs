@@ -1028,8 +1028,9 @@ fn prefill_products_deeper_than_640_are_split_into_blocks() {
 /// k and v; o; gate and up; down: four a layer), a chunk of rows in tiles of 4 keeps IREE's
 /// `mmt4d`s (split by depth), every screen's scores are one dispatch to the screen kernel over
 /// the whole int8 table (which is then never widened to f32) and its candidate rows one to
-/// the gather kernel, every decode step's attention is one dispatch a layer to the attention
-/// kernel over the layer's whole buffers, and the module's executable names the object.
+/// the gather kernel, every decode step's and every chunk's attention is one dispatch a layer
+/// to an attention kernel over the layer's whole buffers, and the module's executable names the
+/// object.
 #[test]
 fn own_kernels_take_the_chunk_projections_and_the_screen() {
     let cfg = real_config();
@@ -1101,7 +1102,7 @@ fn own_kernels_take_the_chunk_projections_and_the_screen() {
         .contains("(tensor<16384x640x16xi8>) -> tensor<16384x640x16xf32>"));
     // The decode steps' attention: one kernel dispatch a layer, 8 splits, over the sliding
     // layers' whole ring with its positions and the global layers' whole buffers; no scores
-    // tensor of one query row. The chunks keep the graph's attention.
+    // tensor of one query row.
     let attends = g
         .mlir
         .matches("flow.dispatch @kvsnap_kernels::@attend_1[")
@@ -1133,6 +1134,40 @@ fn own_kernels_take_the_chunk_projections_and_the_screen() {
             assert!(!body.contains(&scores), "{}: scores {scores}", e.name);
         }
     }
+    // The chunks' attention: one kernel dispatch a layer, a workgroup for every 16 of a key/value
+    // head's (row, query head) pairs (12 x 4 pairs: 3), normalised; no scores tensor.
+    let chunk_attends = g
+        .mlir
+        .matches("flow.dispatch @kvsnap_kernels::@attend_c[")
+        .count();
+    assert_eq!(
+        chunk_attends,
+        (entry_points(12) + entry_points(64)) * layers
+    );
+    let attend_12 = |rows: usize| {
+        format!(
+            "(tensor<12x1x4x256xf32>, tensor<{rows}x1x256xf32>, tensor<{rows}x1x256xf32>, \
+             tensor<{ring}xi32>, tensor<2xi32>, index, index, index, index, index, index, index, \
+             index, index, index) -> tensor<1x12x4x256xf32>"
+        )
+    };
+    assert_eq!(
+        g.mlir.matches(&attend_12(ring)).count(),
+        entry_points(12) * (layers - globals)
+    );
+    assert_eq!(
+        g.mlir.matches(&attend_12(capacity)).count(),
+        entry_points(12) * globals
+    );
+    for e in g.manifest.entry_points.iter().filter(|e| e.chunk > 1) {
+        let body = function_of(&g.mlir, &e.name);
+        // (A 256-row span's scores would have the attention's output shape.)
+        let spans = [ring, e.span].into_iter().filter(|&r| r != cfg.head_dim);
+        for rows in spans {
+            let scores = format!("tensor<1x{}x4x{rows}xf32>", e.chunk);
+            assert!(!body.contains(&scores), "{}: scores {scores}", e.name);
+        }
+    }
     let without = GraphOptions {
         own_kernels: None,
         ..GraphOptions::llvm_cpu()
@@ -1141,6 +1176,11 @@ fn own_kernels_take_the_chunk_projections_and_the_screen() {
     assert!(iree_code
         .mlir
         .contains("(tensor<16384x640x16xi8>) -> tensor<16384x640x16xf32>"));
+    // (There, a chunk's attention is the graph's, with its scores tensor over the ring.)
+    assert!(iree_code
+        .mlir
+        .contains(&format!("tensor<1x64x4x{ring}xf32>")));
+    assert!(!iree_code.mlir.contains("@kvsnap_kernels::@attend_c["));
     let vulkan = graphs::build(&cfg, &[1, 64], GraphOptions::vulkan());
     assert!(vulkan.objects.is_empty() && !vulkan.mlir.contains("flow.dispatch"));
 }

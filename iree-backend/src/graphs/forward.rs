@@ -765,17 +765,22 @@ impl<'a> Forward<'a> {
         (self.linear(&w.o_proj, &o, cfg.hidden_size), k_buf, v_buf)
     }
 
-    /// Whether a `c`-row chunk's attention runs in kvsnap's kernel ([`Forward::object_attend`]):
-    /// with [`GraphOptions::own_kernels`], for the decode step's one row, where the model has no
-    /// score soft-capping and its heads fit the kernel (16-lane head dims, at most
-    /// [`kernels::ATTEND_MAX_GROUP`] query heads a key/value head).
+    /// Whether a `c`-row chunk's attention runs in kvsnap's kernels ([`Forward::object_attend`]):
+    /// with [`GraphOptions::own_kernels`], where the model has no score soft-capping and its
+    /// heads fit the kernel (16-lane head dims; for the decode step's one row at most
+    /// [`kernels::ATTEND_MAX_GROUP`] query heads a key/value head, for a chunk head dims of at
+    /// most [`kernels::ATTEND_MAX_HEAD_DIM`]).
     fn object_attention_fits(&self, c: usize) -> bool {
         let cfg = self.cfg;
+        let heads_fit = if c == 1 {
+            cfg.group_size() <= kernels::ATTEND_MAX_GROUP
+        } else {
+            cfg.head_dim <= kernels::ATTEND_MAX_HEAD_DIM
+        };
         self.opts.own_kernels.is_some()
-            && c == 1
             && cfg.attn_logit_softcapping.is_none()
             && cfg.head_dim.is_multiple_of(16)
-            && cfg.group_size() <= kernels::ATTEND_MAX_GROUP
+            && heads_fit
     }
 
     /// The decode step's attention of `q` (`[1, kvh, g, hd]`) over the layer's buffers by
@@ -786,6 +791,11 @@ impl<'a> Forward<'a> {
     /// weighted sums `acc`, its maximum score `m` and its sum of weights `l` per query head;
     /// they merge as `sum(e^(m - M) acc) / sum(e^(m - M) l)`, `M` the maximum of the `m`.
     /// Returns `[kvh, 1, g, hd]`, as [`Forward::attend`].
+    ///
+    /// A chunk of more than one row runs in one dispatch of the chunk kernel instead, a
+    /// workgroup for every [`kernels::ATTEND_CHUNK_LANES`] of a key/value head's `C x g`
+    /// (row, query head) pairs, over the rows any of them sees, masked per pair; it returns
+    /// the normalised `[kvh, C, g, hd]`.
     fn object_attend(
         &mut self,
         q: &Value,
@@ -797,9 +807,21 @@ impl<'a> Forward<'a> {
     ) -> Value {
         let cfg = self.cfg;
         let (kvh, g, hd) = (cfg.num_key_value_heads, cfg.group_size(), cfg.head_dim);
-        let splits = kernels::ATTEND_SPLITS;
         let scale = cfg.attn_scale().to_bits() as usize;
         let (buf_rows, pos_rows) = (k_buf.dims()[0], ch.positions.dims()[0]);
+        if ch.c > 1 {
+            let groups = kvh * (ch.c * g).div_ceil(kernels::ATTEND_CHUNK_LANES);
+            return self.b.dispatch(
+                kernels::ATTEND_CHUNK_ENTRY,
+                &[groups],
+                &[q, k_buf, v_buf, &ch.positions, &ch.bounds],
+                &[
+                    kvh, g, hd, rows, window, scale, buf_rows, pos_rows, ch.c, groups,
+                ],
+                TensorType::f32(&[kvh, ch.c, g, hd]),
+            );
+        }
+        let splits = kernels::ATTEND_SPLITS;
         let part = self.b.dispatch(
             kernels::ATTEND_ENTRY,
             &[splits],
