@@ -440,6 +440,31 @@ fn frontier_tracker_options() -> sys::iree_async_frontier_tracker_options_t {
 }
 
 /// The names of the devices a driver can open, in ordinal order.
+/// What to try when the Vulkan loader found no driver that could make an instance
+/// (`VK_ERROR_INCOMPATIBLE_DRIVER`): in a headless container NVIDIA's manifest names
+/// `libGLX_nvidia.so.0`, which has no instance there while `libEGL_nvidia.so.0` does (seen on
+/// an H100 host, driver 580).
+const INCOMPATIBLE_DRIVER_HINT: &str = "the Vulkan loader found no driver that could start \
+     (is a Vulkan driver installed? with NVIDIA's driver in a headless container, point \
+     VK_ICD_FILENAMES at a driver manifest whose library_path is libEGL_nvidia.so.0; README, \
+     \"Vulkan devices\")";
+
+/// `e` with [`INCOMPATIBLE_DRIVER_HINT`] added where the loader gave no driver.
+fn driver_hint(e: Error) -> Error {
+    match e {
+        Error::Backend {
+            backend,
+            op,
+            status,
+        } if status.contains("VK_ERROR_INCOMPATIBLE_DRIVER") => Error::Backend {
+            backend,
+            op,
+            status: format!("{status}: {INCOMPATIBLE_DRIVER_HINT}"),
+        },
+        e => e,
+    }
+}
+
 fn query_devices(
     driver: *mut sys::iree_hal_driver_t,
     backend: &'static str,
@@ -451,7 +476,7 @@ fn query_devices(
     let status = unsafe {
         sys::iree_hal_driver_query_available_devices(driver, alloc, &mut count, &mut infos)
     };
-    check(backend, || "query available devices".into(), status)?;
+    check(backend, || "query available devices".into(), status).map_err(driver_hint)?;
     let mut names = Vec::with_capacity(count);
     for i in 0..count {
         // SAFETY: `infos` holds `count` entries whose strings live in the same allocation.
@@ -463,4 +488,33 @@ fn query_devices(
         unsafe { sys::iree_allocator_free(alloc, infos.cast()) };
     }
     Ok(names)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_loader_without_a_driver_says_what_to_try() {
+        let status = "physical_device.c:441: UNAVAILABLE; [vkCreateInstance] \
+                      VK_ERROR_INCOMPATIBLE_DRIVER";
+        let e = driver_hint(backend_error(
+            "iree-vulkan",
+            "query available devices",
+            status,
+        ));
+        let Error::Backend {
+            op, status: got, ..
+        } = &e
+        else {
+            panic!("not a backend error: {e:?}");
+        };
+        assert_eq!(op, "query available devices");
+        assert!(got.starts_with(status), "{got}");
+        assert!(got.contains("VK_ICD_FILENAMES") && got.contains("libEGL_nvidia.so.0"));
+        // Any other failure passes through as it was.
+        let other = backend_error("iree-vulkan", "query available devices", "OUT_OF_MEMORY");
+        let before = other.to_string();
+        assert_eq!(driver_hint(other).to_string(), before);
+    }
 }
