@@ -395,7 +395,8 @@ void kvsnap_attend_1(MEMREF(const float, q), MEMREF(const float, k), MEMREF(cons
 // One workgroup's state over a chunk's attention: its 16 query rows in the lanes, `qt`
 // [head_dim][16] (the queries transposed, so that a key's element times every query is one
 // FMA of a broadcast), `ot` [head_dim][16] the unnormalised weighted sums, `m` and `l` each
-// lane's running maximum and sum of weights, `qp` each lane's query position. `rows`
+// lane's running maximum and sum of weights, `qp` and `low` each lane's query position and
+// the first key position it sees (within the window, or 0). `rows`
 // [head_dim / 16][CHUNK_KEYS][16] holds a block's key rows, then its value rows, in pieces of
 // 16 floats, so that every broadcast of a row's element is at a fixed offset from one pointer
 // and the rows are read in order.
@@ -403,10 +404,9 @@ struct chunk_tile {
   const float *k, *v; // row 0 of this key/value head's keys and values, rows `stride` apart
   size_t stride, head_dim;
   float scale;
-  int64_t window;
   const float *qt;
   float *ot, *rows;
-  __m512i qp;
+  __m512i qp, low;
   __m512 m, l;
   const size_t *next; // the next block's rows, prefetched while this one runs
   size_t next_n;
@@ -424,8 +424,8 @@ chunk_rows(const struct chunk_tile *t, const float *src, const size_t *idx, size
 }
 
 // Folds the key rows `idx[0..n)` (n <= CHUNK_KEYS, positions `kp`) into the tile: their
-// scores, each lane's mask (the key at or before the lane's query and, with a window, within
-// it), the new running maximum, the old sums rescaled and the rows' weights added.
+// scores, each lane's mask (the key in [low, qp]), the new running maximum, the old sums
+// rescaled and the rows' weights added.
 static void chunk_block(struct chunk_tile *t, const size_t *idx, const int64_t *kp, size_t n) {
   const size_t hd = t->head_dim;
   chunk_rows(t, t->k, idx, n);
@@ -448,11 +448,8 @@ static void chunk_block(struct chunk_tile *t, const size_t *idx, const int64_t *
   __m512 top = t->m;
   for (size_t j = 0; j < n; ++j) {
     const __m512i key = _mm512_set1_epi32((int32_t)kp[j]);
-    __mmask16 vis = _mm512_cmple_epi32_mask(key, t->qp);
-    if (t->window) {
-      const __m512i w = _mm512_set1_epi32((int32_t)t->window);
-      vis &= _mm512_cmpgt_epi32_mask(key, _mm512_sub_epi32(t->qp, w));
-    }
+    const __mmask16 vis =
+        _mm512_cmple_epi32_mask(key, t->qp) & _mm512_cmpge_epi32_mask(key, t->low);
     seen[j] = vis;
     s[j] = _mm512_mul_ps(s[j], scale);
     top = _mm512_mask_max_ps(top, vis, top, s[j]);
@@ -532,7 +529,7 @@ void kvsnap_attend_c(MEMREF(const float, q), MEMREF(const float, k), MEMREF(cons
   const int64_t first = lim[0], end = lim[1];
   float qt[ATTEND_MAX_HEAD_DIM * CHUNK_LANES], ot[ATTEND_MAX_HEAD_DIM * CHUNK_LANES];
   float rows_buf[ATTEND_MAX_HEAD_DIM * CHUNK_KEYS];
-  int32_t qp[CHUNK_LANES];
+  int32_t qp[CHUNK_LANES], low[CHUNK_LANES];
   for (size_t l = 0; l < CHUNK_LANES; ++l) {
     const size_t r = r0 + l, i = r / group, g = r % group;
     for (size_t d = 0; d < head_dim; ++d) {
@@ -547,6 +544,7 @@ void kvsnap_attend_c(MEMREF(const float, q), MEMREF(const float, k), MEMREF(cons
         qt[d * CHUNK_LANES + l] = row[d];
       qp[l] = (int32_t)(first + (int64_t)i);
     }
+    low[l] = window ? qp[l] - (int32_t)window + 1 : 0;
   }
   struct chunk_tile t = {
       .k = k + h * head_dim,
@@ -554,11 +552,11 @@ void kvsnap_attend_c(MEMREF(const float, q), MEMREF(const float, k), MEMREF(cons
       .stride = kv_heads * head_dim,
       .head_dim = head_dim,
       .scale = scale,
-      .window = (int64_t)window,
       .qt = qt,
       .ot = ot,
       .rows = rows_buf,
       .qp = _mm512_loadu_si512(qp),
+      .low = _mm512_loadu_si512(low),
       .m = _mm512_set1_ps(ATTEND_EMPTY),
       .l = _mm512_setzero_ps(),
   };

@@ -439,7 +439,6 @@ fn frontier_tracker_options() -> sys::iree_async_frontier_tracker_options_t {
     }
 }
 
-/// The names of the devices a driver can open, in ordinal order.
 /// What to try when the Vulkan loader found no driver that could make an instance
 /// (`VK_ERROR_INCOMPATIBLE_DRIVER`): in a headless container NVIDIA's manifest names
 /// `libGLX_nvidia.so.0`, which has no instance there while `libEGL_nvidia.so.0` does (seen on
@@ -465,6 +464,7 @@ fn driver_hint(e: Error) -> Error {
     }
 }
 
+/// The names of the devices a driver can open, in ordinal order.
 fn query_devices(
     driver: *mut sys::iree_hal_driver_t,
     backend: &'static str,
