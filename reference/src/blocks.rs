@@ -7,7 +7,7 @@ use crate::kernels::{
     add_inplace, geglu, matmul, matmul_packed, rms_norm, rms_norm_inplace, PackedWeight,
 };
 use crate::kv::{KvSegment, LayerKv};
-use crate::rope::Rope;
+use crate::rope::{Rope, RopeTables};
 use crate::weights::{Tensor, Weights};
 
 /// `x * rsqrt(mean(x^2) + eps) * (1 + w)` over the last dimension.
@@ -91,14 +91,14 @@ impl Linear {
         self.packed.as_ref()
     }
 
-    /// `x [n, in] -> [n, out]`.
-    pub fn forward(&self, x: &[f32]) -> Vec<f32> {
+    /// `x [n, in] -> y [n, out]`, `y` resized to that (its old elements are all overwritten).
+    pub fn forward(&self, x: &[f32], y: &mut Vec<f32>) {
         let n = x.len() / self.inp;
-        let mut y = vec![0.0; n * self.out];
+        let y = sized(y, n * self.out);
         if let Some(packed) = &self.packed {
-            matmul_packed(&mut y, x, packed, n);
+            matmul_packed(y, x, packed, n);
         } else if let [part] = &self.parts[..] {
-            matmul(&mut y, x, part, n, self.inp, self.out);
+            matmul(y, x, part, n, self.inp, self.out);
         } else {
             // Each weight's product, then its columns of every row.
             let mut col = 0;
@@ -112,23 +112,55 @@ impl Linear {
                 col += out;
             }
         }
-        y
     }
 }
 
-/// The column blocks of a row-major `[n, sum(widths)]` matrix, each as its own `[n, width]`.
-fn split_columns<const K: usize>(x: &[f32], widths: [usize; K]) -> [Vec<f32>; K] {
+/// `buf` resized to `len` floats: zeroed only where it grows, since its users overwrite it.
+fn sized(buf: &mut Vec<f32>, len: usize) -> &mut [f32] {
+    buf.resize(len, 0.0);
+    buf
+}
+
+/// The column blocks of a row-major `[n, sum(widths)]` matrix, each into its own `[n, width]`.
+fn split_columns<const K: usize>(x: &[f32], widths: [usize; K], blocks: [&mut Vec<f32>; K]) {
     let row: usize = widths.iter().sum();
-    let n = x.len() / row.max(1);
     let mut col = 0;
-    widths.map(|width| {
-        let mut block = Vec::with_capacity(n * width);
-        for r in x.chunks_exact(row) {
+    for (width, block) in widths.into_iter().zip(blocks) {
+        block.clear();
+        for r in x.chunks_exact(row.max(1)) {
             block.extend_from_slice(&r[col..col + width]);
         }
         col += width;
-        block
-    })
+    }
+}
+
+/// The buffers one forward pass reuses from layer to layer, and its RoPE tables.
+///
+/// Every product, norm, split and attention writes each element of its output, so a buffer is
+/// zeroed only when it first grows. Allocated per layer, the 860-token prefill zeroed about 37
+/// MB a layer (`memset` 4% of its samples, on the calling thread while the team waited), and
+/// each layer computed its RoPE angles' cos and sin (1%): docs/BENCHMARKS.md, thirty-fourth
+/// pass.
+#[derive(Default)]
+pub struct Scratch {
+    /// `[n, hidden]`: a norm of the residual stream, the input of the attention and the MLP.
+    normed: Vec<f32>,
+    work: Work,
+}
+
+/// [`Scratch`]'s buffers for the attention and the MLP; `out` (`[n, hidden]`) holds the
+/// output of either.
+#[derive(Default)]
+pub struct Work {
+    qkv: Vec<f32>,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    attn: Vec<f32>,
+    gate_up: Vec<f32>,
+    ffn: Vec<f32>,
+    out: Vec<f32>,
+    ropes: RopeTables,
 }
 
 /// Self-attention with grouped KV heads, q/k RMSNorm before RoPE, and a sliding or global mask.
@@ -181,30 +213,40 @@ impl Attention {
         [&self.qkv_proj, &self.o_proj]
     }
 
-    /// Attends the chunk at positions `pos0..pos0 + n` to the cache and itself, then stores its
-    /// K/V rows in `kv`.
+    /// Attends the chunk at positions `pos0..pos0 + n` to the cache and itself into `w.out`,
+    /// then stores its K/V rows in `kv`.
     ///
     /// # Shapes
-    /// `x`: `[n, hidden]` (normed); returns `[n, hidden]`.
-    pub fn forward(&self, x: &[f32], pos0: usize, kv: &mut LayerKv) -> Vec<f32> {
+    /// `x`: `[n, hidden]` (normed); `w.out` becomes `[n, hidden]`.
+    pub fn forward(&self, x: &[f32], pos0: usize, kv: &mut LayerKv, w: &mut Work) {
         let s = self.shape;
-        let qkv = self.qkv_proj.forward(x);
+        self.qkv_proj.forward(x, &mut w.qkv);
         let row = s.kv_heads * s.head_dim;
         // q: [n, heads, hd]; k, v: [n, kv_heads, hd].
-        let [mut q, mut k, v] = split_columns(&qkv, [s.heads * s.head_dim, row, row]);
-        self.q_norm.forward_inplace(&mut q);
-        self.k_norm.forward_inplace(&mut k);
-        self.rope
-            .apply_qk(&mut q, s.heads, &mut k, s.kv_heads, pos0);
+        split_columns(
+            &w.qkv,
+            [s.heads * s.head_dim, row, row],
+            [&mut w.q, &mut w.k, &mut w.v],
+        );
+        self.q_norm.forward_inplace(&mut w.q);
+        self.k_norm.forward_inplace(&mut w.k);
+        let n = w.q.len() / (s.heads * s.head_dim);
+        w.ropes
+            .get(&self.rope, pos0, n)
+            .apply_qk(&mut w.q, s.heads, &mut w.k, s.kv_heads);
 
-        let mut attn = vec![0.0; q.len()]; // [n, heads, hd]
+        let attn = sized(&mut w.attn, w.q.len()); // [n, heads, hd]
         {
             let mut segments = kv.segments(pos0, row);
-            segments.push(KvSegment { k: &k, v: &v, pos0 });
-            attention(&mut attn, &q, pos0, &segments, s);
+            segments.push(KvSegment {
+                k: &w.k,
+                v: &w.v,
+                pos0,
+            });
+            attention(attn, &w.q, pos0, &segments, s);
         }
-        kv.commit(pos0, &k, &v, row);
-        self.o_proj.forward(&attn)
+        kv.commit(pos0, &w.k, &w.v, row);
+        self.o_proj.forward(&w.attn, &mut w.out);
     }
 }
 
@@ -238,13 +280,14 @@ impl Mlp {
         [&self.gate_up_proj, &self.down_proj]
     }
 
+    /// The MLP of `x` into `w.out`.
+    ///
     /// # Shapes
-    /// `x`: `[n, hidden]`; returns `[n, hidden]`.
-    pub fn forward(&self, x: &[f32]) -> Vec<f32> {
-        let gate_up = self.gate_up_proj.forward(x);
-        let mut h = vec![0.0; gate_up.len() / 2];
-        geglu(&mut h, &gate_up, self.ffn);
-        self.down_proj.forward(&h)
+    /// `x`: `[n, hidden]`; `w.out` becomes `[n, hidden]`.
+    pub fn forward(&self, x: &[f32], w: &mut Work) {
+        self.gate_up_proj.forward(x, &mut w.gate_up);
+        geglu(sized(&mut w.ffn, w.gate_up.len() / 2), &w.gate_up, self.ffn);
+        self.down_proj.forward(&w.ffn, &mut w.out);
     }
 }
 
@@ -285,17 +328,18 @@ impl DecoderLayer {
     ///
     /// # Shapes
     /// `x`: `[n, hidden]`, the residual stream of positions `pos0..pos0 + n`.
-    pub fn forward(&self, x: &mut [f32], pos0: usize, kv: &mut LayerKv) {
-        let mut h = vec![0.0; x.len()];
-        self.input_layernorm.forward(&mut h, x);
-        let mut a = self.self_attn.forward(&h, pos0, kv);
-        self.post_attention_layernorm.forward_inplace(&mut a);
-        add_inplace(x, &a);
+    pub fn forward(&self, x: &mut [f32], pos0: usize, kv: &mut LayerKv, scratch: &mut Scratch) {
+        let Scratch { normed, work } = scratch;
+        self.input_layernorm.forward(sized(normed, x.len()), x);
+        self.self_attn.forward(normed, pos0, kv, work);
+        self.post_attention_layernorm.forward_inplace(&mut work.out);
+        add_inplace(x, &work.out);
 
-        self.pre_feedforward_layernorm.forward(&mut h, x);
-        let mut m = self.mlp.forward(&h);
-        self.post_feedforward_layernorm.forward_inplace(&mut m);
-        add_inplace(x, &m);
+        self.pre_feedforward_layernorm.forward(normed, x);
+        self.mlp.forward(normed, work);
+        self.post_feedforward_layernorm
+            .forward_inplace(&mut work.out);
+        add_inplace(x, &work.out);
     }
 }
 
@@ -335,9 +379,13 @@ mod tests {
                 })
                 .collect();
             for (name, layer) in [("packed", &packed), ("fallback", &fallback)] {
-                let got = layer.forward(&x);
+                // Into a buffer left over from another product: every element is written.
+                let mut got = vec![f32::NAN; 2 * n * inp + 5];
+                layer.forward(&x, &mut got);
                 assert_eq!(got.len(), n * outs.iter().sum::<usize>(), "{name}");
-                let split = split_columns(&got, outs);
+                let mut split: [Vec<f32>; 3] = Default::default();
+                let [a, b, c] = &mut split;
+                split_columns(&got, outs, [a, b, c]);
                 for (k, (got, want)) in split.iter().zip(&want).enumerate() {
                     let diff = got
                         .iter()
@@ -353,7 +401,9 @@ mod tests {
     #[test]
     fn split_columns_takes_each_block_of_every_row() {
         let x: Vec<f32> = (0..12).map(|v| v as f32).collect(); // [2, 6]
-        let [a, b, c] = split_columns(&x, [1, 3, 2]);
+                                                               // Into blocks holding an earlier split's rows: those are replaced.
+        let (mut a, mut b, mut c) = (vec![9.0; 7], vec![], vec![9.0]);
+        split_columns(&x, [1, 3, 2], [&mut a, &mut b, &mut c]);
         assert_eq!(a, [0.0, 6.0]);
         assert_eq!(b, [1.0, 2.0, 3.0, 7.0, 8.0, 9.0]);
         assert_eq!(c, [4.0, 5.0, 10.0, 11.0]);

@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use kvsnap_contract::{argmax, check, Error, KvModel, Logits, ModelConfig, Next, Result};
 
-use crate::blocks::{DecoderLayer, RmsNorm};
+use crate::blocks::{DecoderLayer, RmsNorm, Scratch};
 use crate::buffer::huge_page_bytes;
 use crate::head::TiedHead;
 use crate::kernels::{gather_rows, matvec, Kernels, PackedWeight};
@@ -158,8 +158,9 @@ impl ReferenceModel {
         let scale = self.cfg.embed_scale();
         x.iter_mut().for_each(|v| *v *= scale);
         let pos0 = kv.len;
+        let mut scratch = Scratch::default();
         for (i, (layer, layer_kv)) in self.layers.iter().zip(&mut kv.layers).enumerate() {
-            layer.forward(&mut x, pos0, layer_kv);
+            layer.forward(&mut x, pos0, layer_kv, &mut scratch);
             if fault == Some(i) {
                 return Err(Error::Backend {
                     backend: "reference",
