@@ -3,60 +3,22 @@
 //! vocabulary. Its own test binary: the allocator counts every thread's allocations, so
 //! nothing else may run beside it.
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+mod counting;
+
+use std::sync::atomic::Ordering;
 
 use kvsnap_contract::{KvModel, Logits, ModelConfig};
 use kvsnap_reference::tiny::{config_json, random_weights, Preset, DEFAULT_SEED};
 use kvsnap_reference::{write_safetensors, ReferenceModel};
 
+use counting::{COUNTING, LARGE, LARGEST, LARGE_SEEN};
+
+#[global_allocator]
+static ALLOCATOR: counting::Counting = counting::Counting;
+
 /// The tiny model's vocabulary made this large, so that a buffer of its size stands out from
 /// the layers' (the tiny model's own 512 is smaller than some of its attention's blocks).
 const VOCAB: usize = 16_384;
-
-/// Counts allocations of at least `LARGE` bytes while `COUNTING` is set.
-struct Counting;
-
-static COUNTING: AtomicBool = AtomicBool::new(false);
-static LARGE: AtomicUsize = AtomicUsize::new(usize::MAX);
-static LARGE_SEEN: AtomicUsize = AtomicUsize::new(0);
-static LARGEST: AtomicUsize = AtomicUsize::new(0);
-
-impl Counting {
-    fn count(layout: Layout) {
-        if COUNTING.load(Ordering::Relaxed) {
-            LARGEST.fetch_max(layout.size(), Ordering::Relaxed);
-            if layout.size() >= LARGE.load(Ordering::Relaxed) {
-                LARGE_SEEN.fetch_add(1, Ordering::Relaxed);
-            }
-        }
-    }
-}
-
-// SAFETY: every call is passed on to the system allocator unchanged.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        Self::count(layout);
-        System.alloc(layout)
-    }
-
-    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        Self::count(layout);
-        System.alloc_zeroed(layout)
-    }
-
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        Self::count(Layout::from_size_align_unchecked(new_size, layout.align()));
-        System.realloc(ptr, layout, new_size)
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        System.dealloc(ptr, layout)
-    }
-}
-
-#[global_allocator]
-static ALLOCATOR: Counting = Counting;
 
 #[test]
 fn a_greedy_decode_step_allocates_nothing_of_vocabulary_size() {
