@@ -401,7 +401,8 @@ mod tests {
     #[test]
     fn split_columns_takes_each_block_of_every_row() {
         let x: Vec<f32> = (0..12).map(|v| v as f32).collect(); // [2, 6]
-                                                               // Into blocks holding an earlier split's rows: those are replaced.
+
+        // Into blocks holding an earlier split's rows: those are replaced.
         let (mut a, mut b, mut c) = (vec![9.0; 7], vec![], vec![9.0]);
         split_columns(&x, [1, 3, 2], [&mut a, &mut b, &mut c]);
         assert_eq!(a, [0.0, 6.0]);

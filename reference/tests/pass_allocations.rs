@@ -8,9 +8,9 @@ mod counting;
 
 use std::sync::atomic::Ordering;
 
-use kvsnap_contract::{KvModel, Logits, ModelConfig};
-use kvsnap_reference::tiny::{config_json, random_weights, Preset, DEFAULT_SEED};
-use kvsnap_reference::{write_safetensors, ReferenceModel};
+use kvsnap_contract::{KvModel, Logits};
+use kvsnap_reference::tiny::{write_model, Preset, DEFAULT_SEED};
+use kvsnap_reference::ReferenceModel;
 
 use counting::{COUNTING, LARGE, LARGE_SEEN};
 
@@ -20,11 +20,7 @@ static ALLOCATOR: counting::Counting = counting::Counting;
 #[test]
 fn a_forward_pass_allocates_its_largest_activations_once() {
     let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("reference-pass-alloc");
-    std::fs::create_dir_all(&dir).expect("model dir");
-    std::fs::write(dir.join("config.json"), config_json(Preset::Tiny)).expect("write config");
-    let cfg = ModelConfig::from_file(&dir.join("config.json")).expect("read config");
-    let tensors = random_weights(&cfg, DEFAULT_SEED);
-    write_safetensors(&dir.join("model.safetensors"), &tensors, None).expect("write weights");
+    let cfg = write_model(&dir, Preset::Tiny, DEFAULT_SEED).expect("write the tiny model");
     let model = ReferenceModel::load(&dir).expect("load the model");
     let prompt: Vec<u32> = (0..20).map(|i| 2 + (i * 37) % 500).collect();
     let (mut kv, _) = model.prefill(&prompt, Logits::Skip).expect("prefill");
