@@ -1,7 +1,7 @@
 //! The attention kernel: causal (optionally windowed) softmax attention over cached segments
 //! plus the current chunk, with grouped KV heads.
 
-use crate::kernels::{few_rows, matmul, softmax};
+use crate::kernels::{few_rows, matmul, scores_packed, softmax, KeyPanels, KEY_PANEL};
 use crate::kv::KvSegment;
 use crate::team;
 
@@ -210,11 +210,15 @@ fn attention_vector(out: &mut [f32], q: &[f32], pos0: usize, segments: &[KvSegme
 /// Blocks of queries per head: `S = Q K^T` and `O = P V` over the key range the block can see,
 /// masked per query in between.
 ///
-/// `S` is [`matmul`] of the block's queries with the key rows (tiles of AVX-512 dot products
-/// where the CPU has them), `O` accumulates the value rows weighted by `P` ([`weighted_rows`]).
-/// They replaced two calls of the `gemm` crate, whose kernels a stable compiler builds for AVX2
-/// only: criterion `attention/chunk32` 118 us / 0.79 ms / 1.78 ms -> 125 us / 0.57 ms / 1.33 ms
-/// at 64 / 512 / 1024 keys (docs/BENCHMARKS.md, fourteenth pass).
+/// Where the AVX-512F kernels run, each KV head's keys are first packed once for the whole
+/// call ([`KeyPanels`]: `K^T` in panels of [`KEY_PANEL`] keys), and a block's `S` is
+/// [`scores_packed`]'s 12 x 32 register tiles over the panels holding its visible keys (the
+/// keys of those panels it cannot see masked with the rest). Elsewhere `S` is [`matmul`] of
+/// the block's queries with the key rows. `O` accumulates the value rows weighted by `P`
+/// ([`weighted_rows`]), over the keys the block sees. Those two replaced two calls of the
+/// `gemm` crate, whose kernels a stable compiler builds for AVX2 only: criterion
+/// `attention/chunk32` 118 us / 0.79 ms / 1.78 ms -> 125 us / 0.57 ms / 1.33 ms at 64 / 512 /
+/// 1024 keys (docs/BENCHMARKS.md, fourteenth pass).
 fn attention_blocked(
     out: &mut [f32],
     q: &[f32],
@@ -229,6 +233,19 @@ fn attention_blocked(
     let group = s.heads / s.kv_heads;
     let blocks = n.div_ceil(QUERY_BLOCK);
 
+    // Every key the chunk sees, numbered from the first, packed per KV head for all the tasks.
+    let (first_key, last_key) = (s.first_visible(pos0), pos0 + n - 1);
+    let packed: Option<Vec<KeyPanels>> = {
+        let (all, _) = visible(segments, row, first_key, last_key);
+        let runs: Vec<&[f32]> = all
+            .iter()
+            .map(|part| &part.seg.k[part.rows.start * row..part.rows.end * row])
+            .collect();
+        (0..s.kv_heads)
+            .map(|kv| KeyPanels::pack(&runs, row, kv * hd, hd))
+            .collect()
+    };
+
     // Each task owns the output rows of one (block, head); collect them, then scatter.
     let results: Vec<(usize, usize, Vec<f32>)> = team::map(blocks * s.heads, |task| {
         let (b, h) = (task / s.heads, task % s.heads);
@@ -236,24 +253,44 @@ fn attention_blocked(
         let bq = QUERY_BLOCK.min(n - t0);
         let g = (h / group) * hd;
         let (first_q, last_q) = (pos0 + t0, pos0 + t0 + bq - 1);
-        let (parts, nk) = visible(segments, row, s.first_visible(first_q), last_q);
+        let lo = s.first_visible(first_q);
+        let queries = &q[t0 * qrow + h * hd..];
 
-        // S[bq, nk] = Q[t0.., h] . K^T, a part's columns at a time.
-        let qb: Vec<f32> = (0..bq)
-            .flat_map(|t| &q[(t0 + t) * qrow + h * hd..][..hd])
-            .copied()
-            .collect();
-        let mut scores = vec![0.0f32; bq * nk];
-        let mut sums = Vec::new();
-        for part in &parts {
-            let (r, col) = (&part.rows, part.col);
-            let keys = head_rows(part.seg.k, r, row, g, hd);
-            sums.resize(bq * r.len(), 0.0);
-            matmul(&mut sums, &qb, &keys, bq, hd, r.len());
-            for (srow, prow) in scores.chunks_exact_mut(nk).zip(sums.chunks_exact(r.len())) {
-                srow[col..col + r.len()].copy_from_slice(prow);
+        // S[bq, nk] = Q[t0.., h] . K^T over the keys at `key_lo..`: the block's visible keys,
+        // widened to whole panels where they are packed.
+        let (key_lo, parts, nk, mut scores) = match &packed {
+            Some(keys) => {
+                let panels = (lo - first_key) / KEY_PANEL..(last_q - first_key) / KEY_PANEL + 1;
+                let key_lo = first_key + panels.start * KEY_PANEL;
+                let key_hi = (first_key + panels.end * KEY_PANEL).min(last_key + 1) - 1;
+                let (parts, nk) = visible(segments, row, key_lo, key_hi);
+                let mut scores = vec![0.0f32; bq * nk];
+                scores_packed(&mut scores, queries, qrow, bq, &keys[h / group], panels);
+                (key_lo, parts, nk, scores)
             }
-        }
+            None => {
+                let (parts, nk) = visible(segments, row, lo, last_q);
+                let qb: Vec<f32> = queries
+                    .chunks(qrow)
+                    .take(bq)
+                    .flat_map(|t| &t[..hd])
+                    .copied()
+                    .collect();
+                let mut scores = vec![0.0f32; bq * nk];
+                let mut sums = Vec::new();
+                for part in &parts {
+                    let (r, col) = (&part.rows, part.col);
+                    let keys = head_rows(part.seg.k, r, row, g, hd);
+                    sums.resize(bq * r.len(), 0.0);
+                    matmul(&mut sums, &qb, &keys, bq, hd, r.len());
+                    for (srow, prow) in scores.chunks_exact_mut(nk).zip(sums.chunks_exact(r.len()))
+                    {
+                        srow[col..col + r.len()].copy_from_slice(prow);
+                    }
+                }
+                (lo, parts, nk, scores)
+            }
+        };
 
         // Scale, cap, mask and softmax each query's row. The keys a query sees in a part
         // are one run: its own visible rows of the segment, inside the block's.
@@ -277,9 +314,11 @@ fn attention_blocked(
             softmax(srow);
         }
 
-        // O[bq, hd] = P . V
+        // O[bq, hd] = P . V over the keys the block sees (the weights of any other are 0).
+        let (mut seen, _) = visible(segments, row, lo, last_q);
         let mut o = vec![0.0f32; bq * hd];
-        for part in &parts {
+        for part in &mut seen {
+            part.col += lo - key_lo;
             weighted_rows(
                 &mut o,
                 &part.weights(&scores, nk),

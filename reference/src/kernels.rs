@@ -199,6 +199,97 @@ pub fn matmul_packed(out: &mut [f32], x: &[f32], w: &PackedWeight, n: usize) {
     }
 }
 
+/// Keys a panel of [`KeyPanels`] holds: [`scores_packed`] scores whole panels.
+pub const KEY_PANEL: usize = 32;
+
+/// The keys of one KV head packed as the blocked GEMM packs a weight (`K^T` in panels of
+/// [`KEY_PANEL`] consecutive keys), once per attention call: each (query block, head) of the
+/// call then scores its visible panels with [`scores_packed`]'s 12 x 32 register tiles, where
+/// [`matmul`] took each task's keys as they lie (up to 64 rows of queries by dot products,
+/// each ending in a horizontal sum, then a transpose and a copy into the scores): those ran at
+/// about a third of the value sums' rate and took 13% of a prefill's samples. On a 2-core
+/// AVX-512 Xeon, criterion `attention/chunk32` 78 / 453 / 865 -> 63 / 357 / 725 us at 64 / 512 /
+/// 1024 keys, the catalog's 860-token prefill 0.85-0.89 -> 0.80-0.81 s in three alternating
+/// pairs (docs/BENCHMARKS.md, thirty-fifth pass).
+pub struct KeyPanels {
+    #[cfg(target_arch = "x86_64")]
+    panels: blocked::KeyPanels,
+}
+
+impl KeyPanels {
+    /// The keys of `runs`, in order: in each run, rows `stride` floats apart whose `i`
+    /// floats at `col` are the key (a KV head's columns of the cached rows). `None` where the
+    /// AVX-512F kernels do not run: the attention then scores with [`matmul`].
+    pub fn pack(runs: &[&[f32]], stride: usize, col: usize, i: usize) -> Option<Self> {
+        assert!(
+            col + i <= stride,
+            "KeyPanels: columns {col}..{} of {stride}",
+            col + i
+        );
+        for (r, run) in runs.iter().enumerate() {
+            assert!(
+                run.len().is_multiple_of(stride),
+                "KeyPanels: run {r} is not whole rows of {stride}"
+            );
+        }
+        #[cfg(target_arch = "x86_64")]
+        if avx512f() && stride <= blocked::MAX_DEPTH {
+            // SAFETY: the CPU has AVX-512F; the runs hold whole rows, the columns and the
+            // stride are checked above.
+            let panels = unsafe { blocked::KeyPanels::pack(runs, stride, col, i) };
+            return Some(KeyPanels { panels });
+        }
+        None
+    }
+
+    /// How many keys it holds.
+    pub fn keys(&self) -> usize {
+        #[cfg(target_arch = "x86_64")]
+        return self.panels.keys();
+        #[cfg(not(target_arch = "x86_64"))]
+        unreachable!("KeyPanels::pack returns None off x86-64")
+    }
+}
+
+/// `out[r, c] = x[r] . key[KEY_PANEL * panels.start + c]`: `n` rows of `x` (`i` floats each,
+/// `stride` apart, as a head's queries lie in a chunk's) scored against the keys of the
+/// panels `panels` of `keys`, on the calling thread.
+///
+/// # Shapes
+/// `out`: `[n, k]` for the `k` keys of those panels; `x`: `n` rows of the keys' `i` floats.
+pub fn scores_packed(
+    out: &mut [f32],
+    x: &[f32],
+    stride: usize,
+    n: usize,
+    keys: &KeyPanels,
+    panels: std::ops::Range<usize>,
+) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let i = keys.panels.i();
+        let first = panels.start * KEY_PANEL;
+        let end = (panels.end * KEY_PANEL).min(keys.keys());
+        assert!(first < end || n == 0, "scores_packed: panels {panels:?}");
+        assert_eq!(out.len(), n * (end - first), "scores_packed: out");
+        assert!(
+            n == 0
+                || (i <= stride && stride <= blocked::MAX_DEPTH && x.len() >= (n - 1) * stride + i),
+            "scores_packed: x"
+        );
+        if n > 0 {
+            // SAFETY: a `KeyPanels` exists only where the CPU has AVX-512F (and the stride of
+            // its packing, checked there, is at least `i`); the shapes are asserted above.
+            unsafe { blocked::scores_avx512(out, x, stride, n, &keys.panels, panels) };
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (out, x, stride, n, panels);
+        unreachable!("KeyPanels::pack returns None off x86-64")
+    }
+}
+
 /// [`matmul`] by the `gemm` crate (blocked SIMD GEMM, rayon): what [`matmul`] runs for a
 /// prefill where the CPU lacks AVX-512F, and the second SGEMM of `kvsnap bench limits`.
 ///
@@ -1269,6 +1360,57 @@ pub(crate) mod tests {
             matmul_packed(&mut fast, &x, &packed, n);
             matmul_naive(&mut slow, &x, &w, n, i, 116);
             assert!(max_diff(&fast, &slow) < 1e-5, "stacked, n {n}");
+        }
+    }
+
+    /// Keys packed from runs of strided rows (a KV head's columns of each row; the first
+    /// panel filled from three runs, not in memory order, the last one partial) score as f64
+    /// dot products do, for any range of panels and rows of queries strided as a chunk's heads
+    /// are (more than one band of 12, the last partial). Skipped, as packing itself, without
+    /// the AVX-512F kernels.
+    #[test]
+    fn scores_packed_matches_naive() {
+        let (i, stride, col) = (40, 96, 48);
+        let rows = values(120 * stride, 31);
+        // The runs' first rows in `rows`, and their lengths: keys 0..20, 20, 21..70.
+        let runs = [(60, 20), (5, 1), (70, 49)];
+        let key_row: Vec<usize> = runs.iter().flat_map(|&(at, len)| at..at + len).collect();
+        let runs: Vec<&[f32]> = runs
+            .iter()
+            .map(|&(at, len)| &rows[at * stride..(at + len) * stride])
+            .collect();
+        let Some(keys) = KeyPanels::pack(&runs, stride, col, i) else {
+            #[cfg(target_arch = "x86_64")]
+            assert!(
+                !avx512f(),
+                "the AVX-512 kernels run, yet no keys were packed"
+            );
+            eprintln!(
+                "SKIPPED: keys are not packed (no AVX-512F, or {PORTABLE_KERNELS_ENV} is set)"
+            );
+            return;
+        };
+        assert_eq!(keys.keys(), 70);
+        let (n, qstride) = (29, 130);
+        let x = values((n - 1) * qstride + i, 32);
+        for panels in [0..3, 1..3, 0..1, 2..3] {
+            let first = panels.start * KEY_PANEL;
+            let width = (panels.end * KEY_PANEL).min(70) - first;
+            let mut got = vec![f32::NAN; n * width];
+            scores_packed(&mut got, &x, qstride, n, &keys, panels.clone());
+            for (e, got) in got.iter().enumerate() {
+                let (r, key) = (e / width, first + e % width);
+                let want: f64 = (0..i)
+                    .map(|d| {
+                        f64::from(x[r * qstride + d])
+                            * f64::from(rows[key_row[key] * stride + col + d])
+                    })
+                    .sum();
+                assert!(
+                    (f64::from(*got) - want).abs() < 1e-5,
+                    "panels {panels:?}, query {r}, key {key}: {got} against {want}"
+                );
+            }
         }
     }
 

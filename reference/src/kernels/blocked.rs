@@ -16,6 +16,10 @@
 //! runs [`matvec_panels_avx512`] over the same panels: broadcasts of `x` into 32 column sums,
 //! each panel streamed once in order.
 //!
+//! An attention call packs each KV head's keys the same way ([`KeyPanels`], `K^T` in panels of
+//! 32 keys), and each of its (query block, head) tasks runs the same tiles over the panels its
+//! queries see ([`scores_avx512`], on the task's thread).
+//!
 //! The `gemm` crate this replaces ran AVX2 code on this target (its AVX-512 kernels need a
 //! nightly compiler): half the FMA width. Splitting the depth into L1-sized blocks (128-512
 //! positions) was measured too: reloading the output tile per block cost more than the block's
@@ -33,6 +37,8 @@ use crate::team;
 const MR: usize = 12;
 /// Output columns in a register tile: two 16-lane vectors.
 const NR: usize = 32;
+// A panel of keys is a panel of a weight: one register tile wide.
+const _: () = assert!(NR == super::KEY_PANEL);
 /// Floats in a cache line: the slack that lets a block start on one.
 const LINE: usize = 16;
 /// Runs of consecutive panels a packed product is cut into, per thread: one, each thread
@@ -210,6 +216,143 @@ impl Panels {
     }
 }
 
+/// The keys of one KV head as [`panel_avx512`] reads a weight: `K^T` in panels of [`NR`]
+/// consecutive keys (`[i, NR]` each, key `NR p + j` at lane `j` of panel `p`, zero past the
+/// last key), every panel on a cache-line boundary. Packed once per attention call, read by
+/// every (query block, head) task of the call ([`scores_avx512`]).
+pub(super) struct KeyPanels {
+    data: Vec<f32>,
+    /// The first float of panel 0 in `data` (cache-line aligned).
+    at: usize,
+    i: usize,
+    keys: usize,
+}
+
+impl KeyPanels {
+    /// Packs the keys of `runs`, in order: each run's rows `stride` floats apart, the key
+    /// being the `i` floats at `col` of a row (a KV head's columns); the panels in parallel.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512F; each run holds whole rows of `stride` floats, `col + i <=
+    /// stride` and `stride <= MAX_DEPTH`.
+    pub(super) unsafe fn pack(runs: &[&[f32]], stride: usize, col: usize, i: usize) -> KeyPanels {
+        let keys: usize = runs.iter().map(|run| run.len() / stride).sum();
+        let size = (i * NR).max(1);
+        let mut data = vec![0.0f32; keys.div_ceil(NR) * size + LINE];
+        let at = data.as_ptr().align_offset(64).min(LINE);
+        // Each run's first key, numbered on from one run to the next.
+        let starts: Vec<usize> = runs
+            .iter()
+            .scan(0, |next, run| {
+                let start = *next;
+                *next += run.len() / stride;
+                Some(start)
+            })
+            .collect();
+        let end = at + keys.div_ceil(NR) * size;
+        team::for_each_chunk(&mut data[at..end], size, |p, panel| {
+            let first = p * NR;
+            // The runs' keys in this panel: lanes `a..b` from the rows of one run each.
+            let pieces = runs.iter().zip(&starts).filter_map(|(run, &start)| {
+                let rows = run.len() / stride;
+                let (a, b) = (first.max(start), (first + NR).min(start + rows));
+                (a < b).then(|| {
+                    // Lane `j` of the piece reads row `first + j - start` of the run: the base
+                    // is lane 0's row, outside the run for a piece not starting at lane 0
+                    // (formed with wrapping arithmetic, never read).
+                    let base = run
+                        .as_ptr()
+                        .wrapping_add(col)
+                        .wrapping_add(first.wrapping_sub(start).wrapping_mul(stride));
+                    let bits = ((1u64 << (b - first)) - (1u64 << (a - first))) as u32;
+                    (base, [bits as __mmask16, (bits >> 16) as __mmask16])
+                })
+            });
+            let pieces: Vec<(*const f32, [__mmask16; 2])> = pieces.collect();
+            // SAFETY: the CPU has AVX-512F; every lane a piece's masks set lies on a row of
+            // its run; `panel` is `[i, NR]`.
+            unsafe { pack_keys_avx512(panel, &pieces, stride) };
+        });
+        KeyPanels { data, at, i, keys }
+    }
+
+    /// How many keys it holds.
+    pub(super) fn keys(&self) -> usize {
+        self.keys
+    }
+
+    /// The floats of a key.
+    pub(super) fn i(&self) -> usize {
+        self.i
+    }
+
+    /// Panel `p` as `[i, NR]`.
+    fn panel(&self, p: usize) -> &[f32] {
+        &self.data[self.at + p * self.i * NR..][..self.i * NR]
+    }
+}
+
+/// One panel of [`KeyPanels`] from its pieces (lane 0's row address, the lanes each half
+/// takes from it): per input position two 16-lane gathers a piece, merged.
+///
+/// # Safety
+/// The CPU must have AVX-512F; a lane `j` set in a piece's masks addresses `i = panel.len() /
+/// NR` floats at `base + j * stride`; `stride <= MAX_DEPTH`.
+#[target_feature(enable = "avx512f")]
+unsafe fn pack_keys_avx512(
+    panel: &mut [f32],
+    pieces: &[(*const f32, [__mmask16; 2])],
+    stride: usize,
+) {
+    let at = _mm512_mullo_epi32(lanes(), _mm512_set1_epi32(stride as i32));
+    for (k, dst) in panel.chunks_exact_mut(NR).enumerate() {
+        let (mut a, mut b) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+        for &(base, [lo, hi]) in pieces {
+            // SAFETY: a lane reads only where its mask bit is set, on a row of the run.
+            let base = base.wrapping_add(k);
+            a = _mm512_mask_i32gather_ps::<4>(a, lo, at, base);
+            b = _mm512_mask_i32gather_ps::<4>(b, hi, at, base.wrapping_add(16 * stride));
+        }
+        _mm512_storeu_ps(dst.as_mut_ptr(), a);
+        _mm512_storeu_ps(dst.as_mut_ptr().add(16), b);
+    }
+}
+
+/// `out[r, c] = x[r] . key[NR * panels.start + c]` for `n` rows of `x` (`i` floats each,
+/// `stride` apart) and the keys of `panels`: `out` is `[n, keys]` for the keys those panels
+/// hold. On the calling thread (a task of the attention's): the rows interleaved into bands,
+/// then each panel's 12 x 32 tiles, the next panel fetched into L2 meanwhile.
+///
+/// # Safety
+/// The CPU must have AVX-512F; `x` holds `n` rows of `keys.i` floats `stride` apart, `stride
+/// <= MAX_DEPTH`, `panels` are panels of `keys` and `out` holds `n` rows of their keys.
+pub(super) unsafe fn scores_avx512(
+    out: &mut [f32],
+    x: &[f32],
+    stride: usize,
+    n: usize,
+    keys: &KeyPanels,
+    panels: Range<usize>,
+) {
+    let i = keys.i;
+    let first = panels.start * NR;
+    let width = (panels.end * NR).min(keys.keys) - first;
+    let mut bands = vec![0.0f32; n.div_ceil(MR) * i * MR];
+    for (b, band) in bands.chunks_exact_mut((i * MR).max(1)).enumerate() {
+        let count = MR.min(n - b * MR);
+        // SAFETY: the CPU has AVX-512F; rows `b * MR..b * MR + count` of `x` exist.
+        unsafe { interleave_avx512(band, &x[b * MR * stride..], count, stride) };
+    }
+    let dst = Out(out.as_mut_ptr());
+    for p in panels.clone() {
+        let cols = p * NR - first..(p * NR + NR).min(keys.keys) - first;
+        let next = (p + 1 < panels.end).then(|| keys.panel(p + 1));
+        // SAFETY: the CPU has AVX-512F; `out` is `[n, width]` and `cols` lie in `0..width`;
+        // the panel is `[i, NR]` and `bands` holds `x`'s rows as `[n / MR, i, MR]`.
+        unsafe { panel_avx512(dst, &bands, keys.panel(p), next, cols, n, width) };
+    }
+}
+
 /// The output columns of panel `panel` of a weight with `o` rows: [`NR`], fewer in the last.
 fn panel_cols(panel: usize, o: usize) -> Range<usize> {
     panel * NR..(panel * NR + NR).min(o)
@@ -225,7 +368,7 @@ unsafe fn bands(x: &[f32], n: usize, i: usize) -> Vec<f32> {
     let size = (i * MR).max(1);
     team::for_each_chunk_zip(&mut bands, size, x, size, |band, rows| {
         // SAFETY: the CPU has AVX-512F; `rows` holds whole rows of `i` floats, at most `MR`.
-        unsafe { interleave_avx512(band, rows, i) }
+        unsafe { interleave_avx512(band, rows, rows.len() / i, i) }
     });
     bands
 }
@@ -269,19 +412,19 @@ unsafe fn panel_dot_avx512(out: *mut f32, [lo, hi]: [__mmask16; 2], panel: &[f32
     _mm512_mask_storeu_ps(out.add(16), hi, s1);
 }
 
-/// Writes the rows of `x` in `rows` (at most [`MR`], each `i` long) into `band` as `[i, MR]`:
-/// one 12-lane gather per input position.
+/// Writes `count` rows (at most [`MR`], `stride` floats apart in `rows`) into `band` as `[i,
+/// MR]` for `i = band.len() / MR`: one 12-lane gather per input position.
 ///
 /// # Safety
-/// The CPU must have AVX-512F; `rows` holds whole rows of `i` floats, `band` `i * MR` floats,
-/// and `i <= MAX_DEPTH`.
+/// The CPU must have AVX-512F; `rows` holds `count` rows of `i` floats `stride` apart (the
+/// last one may end the slice), and `stride <= MAX_DEPTH`.
 #[target_feature(enable = "avx512f")]
-unsafe fn interleave_avx512(band: &mut [f32], rows: &[f32], i: usize) {
-    let count = rows.len() / i;
+unsafe fn interleave_avx512(band: &mut [f32], rows: &[f32], count: usize, stride: usize) {
     let mask: __mmask16 = (1 << count) - 1;
-    let at = _mm512_mullo_epi32(lanes(), _mm512_set1_epi32(i as i32));
+    let at = _mm512_mullo_epi32(lanes(), _mm512_set1_epi32(stride as i32));
     for (k, dst) in band.chunks_exact_mut(MR).enumerate() {
-        // SAFETY: lane `m < count` reads `rows[m * i + k]`; the store writes `dst[..count]`.
+        // SAFETY: lane `m < count` reads `rows[m * stride + k]`; the store writes
+        // `dst[..count]`.
         let v = _mm512_mask_i32gather_ps::<4>(_mm512_setzero_ps(), mask, at, rows.as_ptr().add(k));
         _mm512_mask_storeu_ps(dst.as_mut_ptr(), mask, v);
     }
