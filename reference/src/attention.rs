@@ -236,7 +236,13 @@ fn attention_blocked(
     // Every key the chunk sees, numbered from the first, packed per KV head for all the tasks.
     let (first_key, last_key) = (s.first_visible(pos0), pos0 + n - 1);
     let packed: Option<Vec<KeyPanels>> = {
-        let (all, _) = visible(segments, row, first_key, last_key);
+        let (all, keys) = visible(segments, row, first_key, last_key);
+        // A key's column in the packed panels is its position less the first's.
+        assert_eq!(
+            keys,
+            last_key + 1 - first_key,
+            "attention: the segments hold a gap in positions {first_key}..={last_key}"
+        );
         let runs: Vec<&[f32]> = all
             .iter()
             .map(|part| &part.seg.k[part.rows.start * row..part.rows.end * row])
