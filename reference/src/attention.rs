@@ -282,18 +282,7 @@ fn attention_blocked(
                     .flat_map(|t| &t[..hd])
                     .copied()
                     .collect();
-                let mut scores = vec![0.0f32; bq * nk];
-                let mut sums = Vec::new();
-                for part in &parts {
-                    let (r, col) = (&part.rows, part.col);
-                    let keys = head_rows(part.seg.k, r, row, g, hd);
-                    sums.resize(bq * r.len(), 0.0);
-                    matmul(&mut sums, &qb, &keys, bq, hd, r.len());
-                    for (srow, prow) in scores.chunks_exact_mut(nk).zip(sums.chunks_exact(r.len()))
-                    {
-                        srow[col..col + r.len()].copy_from_slice(prow);
-                    }
-                }
+                let scores = scores_by_parts(&qb, &parts, nk, row, g..g + hd);
                 (lo, parts, nk, scores)
             }
         };
@@ -339,6 +328,32 @@ fn attention_blocked(
             out[(t0 + t) * qrow + h * hd..][..hd].copy_from_slice(o);
         }
     }
+}
+
+/// `S[bq, nk] = Q . K^T` for the block's queries `qb` (`[bq, hd]`) over the keys of `parts`
+/// (`nk` in all), a part at a time: [`matmul`] of the queries with the part's key rows (the
+/// columns `cols` of each `row`-wide row), copied into the part's columns of the scores.
+fn scores_by_parts(
+    qb: &[f32],
+    parts: &[Visible],
+    nk: usize,
+    row: usize,
+    cols: std::ops::Range<usize>,
+) -> Vec<f32> {
+    let hd = cols.len();
+    let bq = qb.len() / hd.max(1);
+    let mut scores = vec![0.0f32; bq * nk];
+    let mut sums = Vec::new();
+    for part in parts {
+        let (r, col) = (&part.rows, part.col);
+        let keys = head_rows(part.seg.k, r, row, cols.start, hd);
+        sums.resize(bq * r.len(), 0.0);
+        matmul(&mut sums, qb, &keys, bq, hd, r.len());
+        for (srow, prow) in scores.chunks_exact_mut(nk).zip(sums.chunks_exact(r.len())) {
+            srow[col..col + r.len()].copy_from_slice(prow);
+        }
+    }
+    scores
 }
 
 /// Key rows `r` of one KV head (columns `g..g + hd` of `row`-wide rows) as a contiguous
