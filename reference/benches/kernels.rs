@@ -6,8 +6,8 @@
 //! - `matmul/*`: the same projections for a 22-token extend and an 860-token prefill, on the
 //!   row-major weights and on packed ones (`matmul/packed_*`, what the model's layers run
 //!   where the CPU has AVX-512F), and the prefill by the `gemm` crate (`matmul/gemm_crate_*`);
-//! - `attention/*`: one decode query and a 32-query chunk over 64, 512 and 1024 keys (4 query
-//!   heads sharing one KV head of 256);
+//! - `attention/*`: one decode query and a 32-query chunk over 64, 512 and 1024 keys, and a
+//!   256-query chunk over 1024 (4 query heads sharing one KV head of 256);
 //! - `rms_norm/*`: one 640 row and an 860-row prefill;
 //! - `snapshot/*`: the clone of an 860-token `ReferenceKv` (real KV shapes: 18 layers, 1 KV head
 //!   of 256, 512-key windows), built by a prefill on a model with the real KV shapes and a small
@@ -142,12 +142,22 @@ fn bench_attention(c: &mut Criterion) {
             v: &v,
             pos0: 0,
         }];
-        for queries in [1usize, 32] {
+        // A decode step, an extend-sized chunk and, at 1024 keys, a prefill-sized one (whose
+        // blocks of queries share each call's packed keys).
+        let chunks: &[usize] = if keys == 1024 {
+            &[1, 32, 256]
+        } else {
+            &[1, 32]
+        };
+        for &queries in chunks {
             let q = values(queries * qrow, 5);
             let mut out = vec![0.0; q.len()];
             // The chunk's last query sits at the last key.
             let pos0 = keys - queries;
-            let name = if queries == 1 { "decode" } else { "chunk32" };
+            let name = match queries {
+                1 => "decode".to_string(),
+                n => format!("chunk{n}"),
+            };
             g.throughput(Throughput::Elements((queries * keys) as u64));
             g.bench_with_input(BenchmarkId::new(name, keys), &keys, |b, _| {
                 b.iter(|| attention(black_box(&mut out), &q, pos0, &segs, s))
