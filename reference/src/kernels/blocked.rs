@@ -82,7 +82,7 @@ pub(super) unsafe fn matmul_avx512(
         /// A thread's copy of the panel it works on (reused across calls).
         static BLOCK: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
     }
-    let bands = bands(x, n, i);
+    let bands = bands(x, i, n, i);
     let dst = Out(out.as_mut_ptr());
     team::for_each(o.div_ceil(NR), |panel| {
         BLOCK.with_borrow_mut(|block| {
@@ -107,7 +107,7 @@ pub(super) unsafe fn matmul_avx512(
 /// The CPU must have AVX-512F; `out` and `x` hold `n * w.o` and `n * w.i` floats.
 pub(super) unsafe fn matmul_panels_avx512(out: &mut [f32], x: &[f32], w: &Panels, n: usize) {
     let (i, o) = (w.i, w.o);
-    let bands = bands(x, n, i);
+    let bands = bands(x, i, n, i);
     let dst = Out(out.as_mut_ptr());
     let panels = w.cols.len();
     // Each task a run of consecutive panels, so that the next one it prefetches is its own.
@@ -334,15 +334,10 @@ pub(super) unsafe fn scores_avx512(
     keys: &KeyPanels,
     panels: Range<usize>,
 ) {
-    let i = keys.i;
     let first = panels.start * NR;
     let width = (panels.end * NR).min(keys.keys) - first;
-    let mut bands = vec![0.0f32; n.div_ceil(MR) * i * MR];
-    for (b, band) in bands.chunks_exact_mut((i * MR).max(1)).enumerate() {
-        let count = MR.min(n - b * MR);
-        // SAFETY: the CPU has AVX-512F; rows `b * MR..b * MR + count` of `x` exist.
-        unsafe { interleave_avx512(band, &x[b * MR * stride..], count, stride) };
-    }
+    // SAFETY: the CPU has AVX-512F; `x` holds `n` rows of `keys.i` floats `stride` apart.
+    let bands = unsafe { bands(x, stride, n, keys.i) };
     let dst = Out(out.as_mut_ptr());
     for p in panels.clone() {
         let cols = p * NR - first..(p * NR + NR).min(keys.keys) - first;
@@ -358,17 +353,18 @@ fn panel_cols(panel: usize, o: usize) -> Range<usize> {
     panel * NR..(panel * NR + NR).min(o)
 }
 
-/// `x` (`n` rows of `i`) interleaved in bands of [`MR`] rows (`[n / MR, i, MR]`, zero past the
-/// last row), in parallel.
+/// `n` rows of `x` (`i` floats each, `stride` apart) interleaved in bands of [`MR`] rows (`[n /
+/// MR, i, MR]`, zero past the last row), in parallel (in place from inside a task).
 ///
 /// # Safety
-/// The CPU must have AVX-512F; `x` holds `n * i` floats and `i <= MAX_DEPTH`.
-unsafe fn bands(x: &[f32], n: usize, i: usize) -> Vec<f32> {
+/// The CPU must have AVX-512F; `x` holds `n` rows of `i` floats `stride` apart (the last one
+/// may end the slice), and `stride <= MAX_DEPTH`.
+unsafe fn bands(x: &[f32], stride: usize, n: usize, i: usize) -> Vec<f32> {
     let mut bands = vec![0.0f32; n.div_ceil(MR) * i * MR];
-    let size = (i * MR).max(1);
-    team::for_each_chunk_zip(&mut bands, size, x, size, |band, rows| {
-        // SAFETY: the CPU has AVX-512F; `rows` holds whole rows of `i` floats, at most `MR`.
-        unsafe { interleave_avx512(band, rows, rows.len() / i, i) }
+    team::for_each_chunk(&mut bands, (i * MR).max(1), |b, band| {
+        let count = MR.min(n - b * MR);
+        // SAFETY: the CPU has AVX-512F; rows `b * MR..b * MR + count` of `x` exist.
+        unsafe { interleave_avx512(band, &x[b * MR * stride..], count, stride) }
     });
     bands
 }
