@@ -5,7 +5,11 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # The run needs about 3.5 GB of disk (target/ 0.9, .venv/ 0.9, models/ 1.3, downloads): say
 # up front how much there is, so that a run that fills the disk reads as what it is.
-df -h "$ROOT" | awk 'NR == 2 { print "test.sh: " $4 " of disk free under " $6 }'
+df -Pm "$ROOT" | awk 'NR == 2 {
+    print "test.sh: " $4 " MB of disk free under " $6
+    if ($4 < 4096) print "test.sh: warning: the run needs about 3.5 GB (more where the cargo" \
+        " registry and pip cache start empty): expect \"No space left on device\""
+}'
 # Each step says how long the run has taken so far, so a slow step shows in the log.
 section() { echo "== $1 ($((SECONDS / 60)) min $((SECONDS % 60)) s in)"; }
 source "$ROOT/scripts/setup.sh"
