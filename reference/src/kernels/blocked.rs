@@ -28,6 +28,7 @@
 use rayon::prelude::*;
 use std::arch::x86_64::*;
 use std::cell::RefCell;
+use std::mem::MaybeUninit;
 use std::ops::Range;
 
 use crate::buffer::LargeBuffer;
@@ -238,8 +239,10 @@ impl KeyPanels {
     pub(super) unsafe fn pack(runs: &[&[f32]], stride: usize, col: usize, i: usize) -> KeyPanels {
         let keys: usize = runs.iter().map(|run| run.len() / stride).sum();
         let size = (i * NR).max(1);
-        let mut data = vec![0.0f32; keys.div_ceil(NR) * size + LINE];
+        let len = keys.div_ceil(NR) * size;
+        let mut data = Vec::<f32>::with_capacity(len + LINE);
         let at = data.as_ptr().align_offset(64).min(LINE);
+        data.resize(at, 0.0);
         // Each run's first key, numbered on from one run to the next.
         let starts: Vec<usize> = runs
             .iter()
@@ -249,8 +252,7 @@ impl KeyPanels {
                 Some(start)
             })
             .collect();
-        let end = at + keys.div_ceil(NR) * size;
-        team::for_each_chunk(&mut data[at..end], size, |p, panel| {
+        let pack = |p: usize, panel: &mut [MaybeUninit<f32>]| {
             let first = p * NR;
             // The runs' keys in this panel: lanes `a..b` from the rows of one run each.
             let pieces = runs.iter().zip(&starts).filter_map(|(run, &start)| {
@@ -272,7 +274,9 @@ impl KeyPanels {
             // SAFETY: the CPU has AVX-512F; every lane a piece's masks set lies on a row of
             // its run; `panel` is `[i, NR]`.
             unsafe { pack_keys_avx512(panel, &pieces, stride) };
-        });
+        };
+        // SAFETY: `pack` writes every float of its panel (`pack_keys_avx512` does).
+        unsafe { append_written(&mut data, len, size, pack) };
         KeyPanels { data, at, i, keys }
     }
 
@@ -293,14 +297,15 @@ impl KeyPanels {
 }
 
 /// One panel of [`KeyPanels`] from its pieces (lane 0's row address, the lanes each half
-/// takes from it): per input position two 16-lane gathers a piece, merged.
+/// takes from it): per input position two 16-lane gathers a piece, merged; every float of the
+/// panel written (zero in the lanes no piece sets).
 ///
 /// # Safety
 /// The CPU must have AVX-512F; a lane `j` set in a piece's masks addresses `i = panel.len() /
 /// NR` floats at `base + j * stride`; `stride <= MAX_DEPTH`.
 #[target_feature(enable = "avx512f")]
 unsafe fn pack_keys_avx512(
-    panel: &mut [f32],
+    panel: &mut [MaybeUninit<f32>],
     pieces: &[(*const f32, [__mmask16; 2])],
     stride: usize,
 ) {
@@ -313,8 +318,8 @@ unsafe fn pack_keys_avx512(
             a = _mm512_mask_i32gather_ps::<4>(a, lo, at, base);
             b = _mm512_mask_i32gather_ps::<4>(b, hi, at, base.wrapping_add(16 * stride));
         }
-        _mm512_storeu_ps(dst.as_mut_ptr(), a);
-        _mm512_storeu_ps(dst.as_mut_ptr().add(16), b);
+        _mm512_storeu_ps(dst.as_mut_ptr().cast(), a);
+        _mm512_storeu_ps(dst.as_mut_ptr().cast::<f32>().add(16), b);
     }
 }
 
@@ -360,13 +365,36 @@ fn panel_cols(panel: usize, o: usize) -> Range<usize> {
 /// The CPU must have AVX-512F; `x` holds `n` rows of `i` floats `stride` apart (the last one
 /// may end the slice), and `stride <= MAX_DEPTH`.
 unsafe fn bands(x: &[f32], stride: usize, n: usize, i: usize) -> Vec<f32> {
-    let mut bands = vec![0.0f32; n.div_ceil(MR) * i * MR];
-    team::for_each_chunk(&mut bands, (i * MR).max(1), |b, band| {
+    let len = n.div_ceil(MR) * i * MR;
+    let interleave = |b: usize, band: &mut [MaybeUninit<f32>]| {
         let count = MR.min(n - b * MR);
         // SAFETY: the CPU has AVX-512F; rows `b * MR..b * MR + count` of `x` exist.
         unsafe { interleave_avx512(band, &x[b * MR * stride..], count, stride) }
-    });
+    };
+    let mut bands = Vec::with_capacity(len);
+    // SAFETY: `interleave` writes every float of its band (`interleave_avx512` does).
+    unsafe { append_written(&mut bands, len, (i * MR).max(1), interleave) };
     bands
+}
+
+/// Appends `len` floats to `v`, written by `fill(c, chunk)` in chunks of `size` (in parallel,
+/// as [`team::for_each_chunk`]) where they lie, not zeroed first: the interleaved rows and
+/// packed keys of an 860-token prefill are some 16 MB a layer, which the calling thread zeroed
+/// while the team waited.
+///
+/// # Safety
+/// `fill` writes every element of its chunk.
+unsafe fn append_written(
+    v: &mut Vec<f32>,
+    len: usize,
+    size: usize,
+    fill: impl Fn(usize, &mut [MaybeUninit<f32>]) + Sync,
+) {
+    v.reserve(len);
+    let start = v.len();
+    team::for_each_chunk(&mut v.spare_capacity_mut()[..len], size, fill);
+    // SAFETY: `fill` wrote the `len` floats past the old length (the caller's contract).
+    unsafe { v.set_len(start + len) };
 }
 
 /// The 32 sums `out[j] = panel[.., j] . x` of one panel (`[i, NR]`), the lanes set in the
@@ -409,20 +437,26 @@ unsafe fn panel_dot_avx512(out: *mut f32, [lo, hi]: [__mmask16; 2], panel: &[f32
 }
 
 /// Writes `count` rows (at most [`MR`], `stride` floats apart in `rows`) into `band` as `[i,
-/// MR]` for `i = band.len() / MR`: one 12-lane gather per input position.
+/// MR]` for `i = band.len() / MR`, zero past the last row: one 12-lane gather per input
+/// position.
 ///
 /// # Safety
 /// The CPU must have AVX-512F; `rows` holds `count` rows of `i` floats `stride` apart (the
 /// last one may end the slice), and `stride <= MAX_DEPTH`.
 #[target_feature(enable = "avx512f")]
-unsafe fn interleave_avx512(band: &mut [f32], rows: &[f32], count: usize, stride: usize) {
+unsafe fn interleave_avx512(
+    band: &mut [MaybeUninit<f32>],
+    rows: &[f32],
+    count: usize,
+    stride: usize,
+) {
     let mask: __mmask16 = (1 << count) - 1;
     let at = _mm512_mullo_epi32(lanes(), _mm512_set1_epi32(stride as i32));
     for (k, dst) in band.chunks_exact_mut(MR).enumerate() {
-        // SAFETY: lane `m < count` reads `rows[m * stride + k]`; the store writes
-        // `dst[..count]`.
+        // SAFETY: lane `m < count` reads `rows[m * stride + k]` (the others are zero); the
+        // store writes `dst`'s MR floats.
         let v = _mm512_mask_i32gather_ps::<4>(_mm512_setzero_ps(), mask, at, rows.as_ptr().add(k));
-        _mm512_mask_storeu_ps(dst.as_mut_ptr(), mask, v);
+        _mm512_mask_storeu_ps(dst.as_mut_ptr().cast(), (1 << MR) - 1, v);
     }
 }
 
