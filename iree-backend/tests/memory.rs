@@ -10,26 +10,34 @@ use std::sync::Mutex;
 use common::{devices, load, ADD};
 use kvsnap_iree::runtime::{BufferView, DeviceKind};
 
+/// The allocator's statistics read every 10 ms until `done` accepts one, or the last read
+/// once `limit` has passed.
+fn stats_until(
+    device: &kvsnap_iree::runtime::Device,
+    limit: std::time::Duration,
+    mut done: impl FnMut(&kvsnap_iree::runtime::AllocatorStats) -> bool,
+) -> kvsnap_iree::runtime::AllocatorStats {
+    let deadline = std::time::Instant::now() + limit;
+    loop {
+        let now = device.allocator_stats();
+        if done(&now) || std::time::Instant::now() >= deadline {
+            return now;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+}
+
 /// The allocator's statistics once its live bytes read the same five times 10 ms apart (at
 /// most two seconds): a buffer whose release waits on a queue operation still retiring is not
 /// yet freed when the warm-up ends (a fresh-clone run read 16 live bytes there, 0 after).
 fn settled_stats(device: &kvsnap_iree::runtime::Device) -> kvsnap_iree::runtime::AllocatorStats {
-    let mut last = device.allocator_stats();
-    let mut same = 0;
-    for _ in 0..200 {
-        std::thread::sleep(std::time::Duration::from_millis(10));
-        let now = device.allocator_stats();
-        same = if now.live_bytes() == last.live_bytes() {
-            same + 1
-        } else {
-            0
-        };
-        last = now;
-        if same == 4 {
-            break;
-        }
-    }
-    last
+    let (mut last, mut same) = (None, 0);
+    stats_until(device, std::time::Duration::from_secs(2), |now| {
+        let live = Some(now.live_bytes());
+        same = if live == last { same + 1 } else { 0 };
+        last = live;
+        same == 4
+    })
 }
 
 /// The allocator's statistics once its live bytes are `live`, or after five seconds: the
@@ -39,14 +47,9 @@ fn stats_once_live(
     device: &kvsnap_iree::runtime::Device,
     live: u64,
 ) -> kvsnap_iree::runtime::AllocatorStats {
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
-    loop {
-        let now = device.allocator_stats();
-        if now.live_bytes() == live || std::time::Instant::now() >= deadline {
-            return now;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(10));
-    }
+    stats_until(device, std::time::Duration::from_secs(5), |now| {
+        now.live_bytes() == live
+    })
 }
 
 /// Held by each test for its whole run.
