@@ -371,7 +371,7 @@ unsafe fn bands(x: &[f32], stride: usize, n: usize, i: usize) -> Vec<f32> {
         // SAFETY: the CPU has AVX-512F; rows `b * MR..b * MR + count` of `x` exist.
         unsafe { interleave_avx512(band, &x[b * MR * stride..], count, stride) }
     };
-    let mut bands = Vec::with_capacity(len);
+    let mut bands = Vec::new();
     // SAFETY: `interleave` writes every float of its band (`interleave_avx512` does).
     unsafe { append_written(&mut bands, len, (i * MR).max(1), interleave) };
     bands
@@ -390,6 +390,7 @@ unsafe fn append_written(
     size: usize,
     fill: impl Fn(usize, &mut [MaybeUninit<f32>]) + Sync,
 ) {
+    // No reallocation where the caller reserved the room (`KeyPanels` aligns to its buffer).
     v.reserve(len);
     let start = v.len();
     team::for_each_chunk(&mut v.spare_capacity_mut()[..len], size, fill);
