@@ -667,18 +667,19 @@ fn graphs_build_for_tiny_and_real_configs_with_the_head_sliced() {
         }
         // The head was built: [vocab] logits are returned.
         assert!(g.mlir.contains(&format!("tensor<{vocab}xf32>")));
-        // With branches, decode steps and largest chunks that attend over the first rows of
-        // the KV buffers only, picked on the host by where the call ends.
+        // On every target, decode steps and largest chunks of the model's input that attend
+        // over the first rows of the KV buffers only, picked on the host by where the call
+        // ends (no branch needed).
         let capacity = cfg.context_capacity;
         let ring = g.manifest.ring;
         let largest = *DEFAULT_CHUNKS.last().unwrap();
         let steps = opts.spans(1, capacity, ring);
         let long = opts.spans(largest, capacity, ring);
-        assert_eq!(steps.is_empty(), !opts.branches);
+        assert!(!steps.is_empty(), "decode-step spans");
         // Twice and four times the largest chunk within the ring's modulus (the real model's
         // 640 rows; the tiny model's window of 6 leaves it 70, less than 2 x 64).
-        let expected: &[usize] = match (opts.branches, cfg.sliding_window) {
-            (true, 512) => &[256, 512],
+        let expected: &[usize] = match cfg.sliding_window {
+            512 => &[256, 512],
             _ => &[],
         };
         assert_eq!(long, expected);
@@ -704,9 +705,9 @@ fn graphs_build_for_tiny_and_real_configs_with_the_head_sliced() {
             .map(|&s| (1, s))
             .chain(long.iter().map(|&s| (largest, s)));
         for (c, span) in spanned {
-            let name = span_entry_name(c, span);
+            let name = span_entry_name(opts.input, c, span);
             let e = g.manifest.entry(&name).expect("span entry in manifest");
-            assert_eq!((e.chunk, e.input, e.span), (c, Role::Ids, span));
+            assert_eq!((e.chunk, e.input, e.span), (c, primary, span));
             let body = function_of(&g.mlir, &name);
             // The global layers attend over `span` rows, the sliding layers over as many of the
             // ring's as lie within its modulus, a decode step over the modulus at most (scores
@@ -733,9 +734,9 @@ fn graphs_build_for_tiny_and_real_configs_with_the_head_sliced() {
             }
             // No branch picks a global span, nor a decode step's head.
             let ifs = body.matches("stablehlo.if").count();
-            let base = function_of(&g.mlir, &entry_name(Input::Ids, c));
+            let base = function_of(&g.mlir, &entry_name(opts.input, c));
             let base_ifs = base.matches("stablehlo.if").count();
-            if c == 1 {
+            if c == 1 || !opts.branches {
                 assert_eq!(ifs, 0, "{name}");
             } else {
                 let globals = global_layers(&cfg);
@@ -746,7 +747,7 @@ fn graphs_build_for_tiny_and_real_configs_with_the_head_sliced() {
                 assert_eq!((base_ifs - ifs) % globals, 0, "{name}");
             }
             for head in [HEAD_NONE, HEAD_SCREEN, HEAD_FULL] {
-                let chosen = g.manifest.entry_for(Role::Ids, c, span, head).unwrap();
+                let chosen = g.manifest.entry_for(primary, c, span, head).unwrap();
                 // The screened step where logits are not asked for; its `_logits` twin where
                 // they are.
                 if c == 1 && opts.screen && head == HEAD_FULL {
@@ -777,19 +778,22 @@ fn graphs_build_for_tiny_and_real_configs_with_the_head_sliced() {
             !body.contains(&step(ring.rows)),
             "the step over the whole ring"
         );
-        let first = g.manifest.entry_for(Role::Ids, 1, 1, HEAD_SCREEN).unwrap();
-        assert_eq!(first.span, steps.first().copied().unwrap_or(capacity));
+        let first = g.manifest.entry_for(primary, 1, 1, HEAD_SCREEN).unwrap();
+        assert_eq!(first.span, steps[0]);
+        // The other input's entry points attend over the whole capacity.
+        let other_step = g.manifest.entry_for(other, 1, 1, HEAD_SCREEN).unwrap();
+        assert_eq!(other_step.span, capacity);
         let first = g
             .manifest
-            .entry_for(Role::Ids, largest, largest, HEAD_NONE)
+            .entry_for(primary, largest, largest, HEAD_NONE)
             .unwrap();
         assert_eq!(first.span, long.first().copied().unwrap_or(capacity));
         let past = (ring.modulus + 1).min(capacity);
         let past = g
             .manifest
-            .entry_for(Role::Ids, largest, past, HEAD_FULL)
+            .entry_for(primary, largest, past, HEAD_FULL)
             .unwrap();
-        assert_eq!(past.name, entry_name(Input::Ids, largest));
+        assert_eq!(past.name, entry_name(opts.input, largest));
         assert_eq!(
             g.manifest.entry_for(Role::Ids, 1, capacity + 1, HEAD_FULL),
             None
@@ -1183,6 +1187,53 @@ fn own_kernels_take_the_chunk_projections_and_the_screen() {
     assert!(!iree_code.mlir.contains("@kvsnap_kernels::@attend_c["));
     let vulkan = graphs::build(&cfg, &[1, 64], GraphOptions::vulkan());
     assert!(vulkan.objects.is_empty() && !vulkan.mlir.contains("flow.dispatch"));
+}
+
+/// Vulkan's decode step and 8-row chunk sum the attention-weighted values in blocks of 64 keys
+/// (the weights reshaped to `[kvh, C, g, blocks, 64]`, a batch dimension of the product, then a
+/// sum over the blocks); its 64-row chunk and llvm-cpu's graphs take each product whole.
+#[test]
+fn vulkan_sums_the_weighted_values_of_few_rows_in_blocks_of_keys() {
+    let cfg = real_config();
+    let (g, kvh) = (cfg.group_size(), cfg.num_key_value_heads);
+    let capacity = cfg.context_capacity;
+    let blocked = |c: usize, rows: usize| format!("tensor<{kvh}x{c}x{g}x{}x64xf32>", rows / 64);
+    let whole = |c: usize, rows: usize| format!("tensor<{kvh}x{c}x{g}x{rows}xf32>");
+    let vulkan = graphs::build(&cfg, &[1, 8, 64], GraphOptions::vulkan());
+    let modulus = vulkan.manifest.ring.modulus;
+    let llvm_cpu = GraphOptions {
+        own_kernels: None,
+        ..GraphOptions::llvm_cpu()
+    };
+    let iree_code = graphs::build(&cfg, &[1, 8, 64], llvm_cpu);
+    for c in [1, 8, 64] {
+        let step = function_of(&vulkan.mlir, &entry_name(Input::Embeddings, c));
+        // The global layers over the whole capacity; a decode step's sliding layers over the
+        // ring's modulus.
+        let rows: &[usize] = match c {
+            1 => &[capacity, modulus],
+            8 => &[capacity],
+            _ => &[],
+        };
+        for &rows in rows {
+            assert!(
+                step.contains(&whole(c, rows)),
+                "c{c}: weights over {rows} keys"
+            );
+            assert!(
+                step.contains(&blocked(c, rows)),
+                "c{c}: blocks of {rows} keys"
+            );
+        }
+        if c == 64 {
+            assert!(!step.contains(&blocked(c, capacity)), "c64: blocks");
+        }
+        let cpu = function_of(&iree_code.mlir, &entry_name(Input::Ids, c));
+        assert!(
+            !cpu.contains(&blocked(c, capacity)),
+            "llvm-cpu c{c}: blocks"
+        );
+    }
 }
 
 /// The llvm-cpu module's tuning spec covers every `P . V` product its chunks run (the sliding

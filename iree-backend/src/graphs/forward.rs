@@ -49,6 +49,22 @@ pub struct Screen {
     pub slack: Value,
 }
 
+/// Keys a block of [`Forward::weighted_values`]'s partial sums spans at most.
+pub const VALUE_BLOCK: usize = 64;
+
+/// Query rows (chunk rows x query heads of a KV head) up to which
+/// [`Forward::weighted_values`] sums in blocks of keys: the decode step's and the 8-row chunk's.
+pub const VALUE_BLOCK_ROWS: usize = 32;
+
+/// The keys of each of [`Forward::weighted_values`]'s blocks for `rows` keys: the largest
+/// divisor of `rows` of at most [`VALUE_BLOCK`] keys that leaves two blocks or more, or `None`
+/// where that is under 4 keys (too small to be worth a batch).
+pub(super) fn value_block(rows: usize) -> Option<usize> {
+    (4..=VALUE_BLOCK.min(rows / 2))
+        .rev()
+        .find(|b| rows.is_multiple_of(*b))
+}
+
 /// The row spans a global layer's attention of a `c`-row chunk may run over (see
 /// [`Forward::attend_live`]): an eighth, a quarter and half of `capacity` where they hold at
 /// least `c` rows, then `capacity` itself.
@@ -937,8 +953,38 @@ impl<'a> Forward<'a> {
     fn attend(&mut self, q: &Value, keys: &Value, values: &Value, mask: &Value) -> Value {
         let s = self.scores_rows(q, keys); // [kvh, C, g, rows]
         let p = self.softmax_scores(&s, mask);
-        self.b
-            .dot_general(&p, values, &DotDims::batched(0, 1, 3, 0))
+        self.weighted_values(&p, values)
+    }
+
+    /// `p . values`: the attention weights `p` (`[kvh, C, g, rows]`) times the value rows
+    /// (`[rows, kvh, hd]`), `[kvh, C, g, hd]`.
+    ///
+    /// With [`GraphOptions::value_blocks`], where the `C x g` query rows are at most
+    /// [`VALUE_BLOCK_ROWS`], the keys are split into blocks ([`value_block`]) that form a batch
+    /// dimension, and the blocks' partial sums are summed after: IREE distributes a product
+    /// over its batch and output dims, and the decode step's `[4, rows] . [rows, 256]` alone
+    /// ran in two workgroups on an H100 (533 us over 4096 keys, docs/BENCHMARKS.md,
+    /// thirty-seventh pass). The sums are the same terms added in another order.
+    fn weighted_values(&mut self, p: &Value, values: &Value) -> Value {
+        let (dims, hd) = (p.dims().to_vec(), values.dims()[2]);
+        let (kvh, c, g, rows) = (dims[0], dims[1], dims[2], dims[3]);
+        let block =
+            value_block(rows).filter(|_| self.opts.value_blocks && c * g <= VALUE_BLOCK_ROWS);
+        let Some(block) = block else {
+            return self.b.dot_general(p, values, &DotDims::batched(0, 1, 3, 0));
+        };
+        let blocks = rows / block;
+        let p = self.b.reshape(p, &[kvh, c, g, blocks, block]);
+        let values = self.b.reshape(values, &[blocks, block, kvh, hd]);
+        // Batch (kvh, block), contracting the keys of a block: [kvh, blocks, C, g, hd].
+        let dims = DotDims {
+            lhs_batch: vec![0, 3],
+            rhs_batch: vec![2, 0],
+            lhs_contract: vec![4],
+            rhs_contract: vec![1],
+        };
+        let parts = self.b.dot_general(&p, &values, &dims);
+        self.b.reduce(&parts, Reduction::Sum, &[1])
     }
 
     /// The first `rows` rows of a layer's K and V buffers (`[rows, kvh, hd]`; the buffers

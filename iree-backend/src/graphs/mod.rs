@@ -102,10 +102,10 @@ pub fn entry_name(input: Input, chunk: usize) -> String {
     format!("chunk_{}_c{chunk}", input.tag())
 }
 
-/// The name of the token-id entry point for chunks of `chunk` rows that attends over the
+/// The name of the entry point for `input` and chunks of `chunk` rows that attends over the
 /// first `span` rows of the KV buffers only ([`GraphOptions::spans`]): `chunk_ids_c1_s512`.
-pub fn span_entry_name(chunk: usize, span: usize) -> String {
-    format!("{}_s{span}", entry_name(Input::Ids, chunk))
+pub fn span_entry_name(input: Input, chunk: usize, span: usize) -> String {
+    format!("{}_s{span}", entry_name(input, chunk))
 }
 
 /// The head modes of the token-id entry points for chunks of `c` rows: the decode step of a
@@ -128,7 +128,8 @@ pub struct GraphOptions {
     /// Skip work with `stablehlo.if` in chunks of more than one row ([`GraphOptions::branches_for`]):
     /// the head where the `head` argument is 0, and global attention beyond the live span
     /// (`Forward::attend_live`). Without branches the head always runs (`head` is ignored) and
-    /// global layers attend over the whole capacity. Each branch splits a call into queue
+    /// global layers attend over the whole capacity, or their entry point's span
+    /// ([`GraphOptions::spans`], which need no branch). Each branch splits a call into queue
     /// submissions that wait on each other (its predicate comes from the host program; until
     /// the twenty-fifth pass it was read back from the device, and on Vulkan that cost more
     /// than the work it skipped: the H200's decode step took 63 ms with branches instead of
@@ -153,6 +154,10 @@ pub struct GraphOptions {
     /// decode step's attention in kvsnap's kernels, this object linked into the module,
     /// instead of IREE's code ([`kernels`]). Requires [`WeightLayout::Panels`].
     pub own_kernels: Option<LinkedObject>,
+    /// Sum a chunk's attention-weighted values in blocks of keys where the chunk has few query
+    /// rows (`Forward::weighted_values`): IREE distributes such a product over its query rows
+    /// and head dims only, which on a GPU are a couple of workgroups.
+    pub value_blocks: bool,
 }
 
 impl GraphOptions {
@@ -165,10 +170,12 @@ impl GraphOptions {
             screen: true,
             input: Input::Ids,
             own_kernels: kernels::kernel_object(),
+            value_blocks: false,
         }
     }
 
-    /// What Vulkan runs best: HF matrices, no branches, the full head.
+    /// What Vulkan runs best: HF matrices, no branches, the full head, values summed in
+    /// blocks of keys.
     pub fn vulkan() -> Self {
         GraphOptions {
             layout: WeightLayout::Rows,
@@ -176,6 +183,7 @@ impl GraphOptions {
             screen: false,
             input: Input::Embeddings,
             own_kernels: None,
+            value_blocks: true,
         }
     }
 
@@ -207,11 +215,15 @@ impl GraphOptions {
         self.branches && c > 1
     }
 
-    /// The spans below `capacity` of the extra token-id entry points for chunks of `c` rows
-    /// ([`span_entry_name`]), with [`GraphOptions::branches`] (else none). Each attends over the
-    /// first `span` rows of the global layers' buffers, and of the sliding layers' ring where
-    /// `span` is within its modulus ([`RingGeometry::rows_seen`]); the host picks the
-    /// shortest that holds the call ([`Manifest::entry_for`]), so no predicate is read back.
+    /// The spans below `capacity` of the extra entry points of [`GraphOptions::input`] for
+    /// chunks of `c` rows ([`span_entry_name`]), on every target. Each attends over the first
+    /// `span` rows of the global layers' buffers, and of the sliding layers' ring where `span`
+    /// is within its modulus ([`RingGeometry::rows_seen`]); the host picks the shortest that
+    /// holds the call ([`Manifest::entry_for`]), so no predicate is read back and no branch is
+    /// taken: Vulkan, whose graphs do not branch, has them too. On an H100 the decode step's
+    /// three global layers spent 2.0 ms of its 6.8 ms of dispatches attending over the whole
+    /// capacity, as a 4 x 256 x 4096 product that IREE runs in two workgroups
+    /// (docs/BENCHMARKS.md, thirty-seventh pass).
     ///
     /// - The decode step: an eighth, a quarter and half of the capacity, as a chunk's branches
     ///   choose from. At the catalog's length a step attends over 1024 of Gemma 3 270M's 4096
@@ -223,9 +235,6 @@ impl GraphOptions {
     ///   768 rows of Gemma 3 270M's ring (twenty-fourth pass), and the prefix's first four
     ///   chunks run over 256, 256, 512 and 512 rows.
     pub fn spans(self, c: usize, capacity: usize, ring: RingGeometry) -> Vec<usize> {
-        if !self.branches {
-            return Vec::new();
-        }
         let mut spans = if c == 1 {
             forward::global_spans(capacity, 1)
         } else if c == ring.max_chunk() {
@@ -305,7 +314,7 @@ pub fn build(cfg: &ModelConfig, chunks: &[usize], opts: GraphOptions) -> Graphs 
         }
         for span in opts.spans(c, cfg.context_capacity, ring) {
             for head in head_modes(opts, c) {
-                let (text, entry) = entry_point(cfg, Input::Ids, c, ring, opts, Some(span), head);
+                let (text, entry) = entry_point(cfg, opts.input, c, ring, opts, Some(span), head);
                 module.push(text);
                 entry_points.push(entry);
             }
@@ -477,7 +486,7 @@ fn entry_point(
     results.extend(kv);
 
     let mut name = match span {
-        Some(span) => span_entry_name(c, span),
+        Some(span) => span_entry_name(input, c, span),
         None => entry_name(input, c),
     };
     if head_mode == HeadMode::Full {
