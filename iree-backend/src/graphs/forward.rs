@@ -50,11 +50,11 @@ pub struct Screen {
 }
 
 /// Keys a block of [`Forward::weighted_values`]'s partial sums spans at most.
-pub const VALUE_BLOCK: usize = 64;
+pub(super) const VALUE_BLOCK: usize = 64;
 
 /// Query rows (chunk rows x query heads of a KV head) up to which
 /// [`Forward::weighted_values`] sums in blocks of keys: the decode step's and the 8-row chunk's.
-pub const VALUE_BLOCK_ROWS: usize = 32;
+pub(super) const VALUE_BLOCK_ROWS: usize = 32;
 
 /// The keys of each of [`Forward::weighted_values`]'s blocks for `rows` keys: the largest
 /// divisor of `rows` of at most [`VALUE_BLOCK`] keys that leaves two blocks or more, or `None`
@@ -963,8 +963,9 @@ impl<'a> Forward<'a> {
     /// [`VALUE_BLOCK_ROWS`], the keys are split into blocks ([`value_block`]) that form a batch
     /// dimension, and the blocks' partial sums are summed after: IREE distributes a product
     /// over its batch and output dims, and the decode step's `[4, rows] . [rows, 256]` alone
-    /// ran in two workgroups on an H100 (533 us over 4096 keys, docs/BENCHMARKS.md,
-    /// thirty-seventh pass). The sums are the same terms added in another order.
+    /// ran in two workgroups on an H100: 533 us over 4096 keys, 86 us over 640, 8.5 us in
+    /// blocks; the step 10.3 -> 8.5 ms (docs/BENCHMARKS.md, thirty-seventh pass). The sums are
+    /// the same terms added in another order.
     fn weighted_values(&mut self, p: &Value, values: &Value) -> Value {
         let (dims, hd) = (p.dims().to_vec(), values.dims()[2]);
         let (kvh, c, g, rows) = (dims[0], dims[1], dims[2], dims[3]);

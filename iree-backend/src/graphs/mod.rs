@@ -220,10 +220,11 @@ impl GraphOptions {
     /// `span` rows of the global layers' buffers, and of the sliding layers' ring where `span`
     /// is within its modulus ([`RingGeometry::rows_seen`]); the host picks the shortest that
     /// holds the call ([`Manifest::entry_for`]), so no predicate is read back and no branch is
-    /// taken: Vulkan, whose graphs do not branch, has them too. On an H100 the decode step's
-    /// three global layers spent 2.0 ms of its 6.8 ms of dispatches attending over the whole
-    /// capacity, as a 4 x 256 x 4096 product that IREE runs in two workgroups
-    /// (docs/BENCHMARKS.md, thirty-seventh pass).
+    /// taken: Vulkan, whose graphs do not branch, has them too. There a step at the catalog's
+    /// length reads a quarter of the global layers' keys and values; on an H100, where the
+    /// blocked value sums ([`GraphOptions::value_blocks`]) had already made that attention
+    /// cheap, the step took the same time either way (8.6 / 8.5 ms, docs/BENCHMARKS.md,
+    /// thirty-seventh pass): a GPU of less bandwidth is where the span should tell.
     ///
     /// - The decode step: an eighth, a quarter and half of the capacity, as a chunk's branches
     ///   choose from. At the catalog's length a step attends over 1024 of Gemma 3 270M's 4096
