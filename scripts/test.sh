@@ -64,4 +64,7 @@ cargo test --release -p kvsnap-jni --no-default-features
 
 section "JNI: the Java API and test against the built cdylib"
 bash scripts/test-jni.sh
+
+section "the scripts' Python helpers (standard library only)"
+(cd scripts && python3 -W error -m unittest test_profile_dispatches)
 echo "test.sh: all passed in $((SECONDS / 60)) min $((SECONDS % 60)) s"
