@@ -551,12 +551,12 @@ impl IreeModel {
                     for (p, &id) in part.iter_mut().zip(&ids[done..done + valid]) {
                         *p = id as i32;
                     }
-                    BufferView::from_i32(&self.device, &[c], &part)?
+                    BufferView::input_i32(&self.device, &[c], &part)?
                 }
                 ChunkInput::Embeddings(rows) => {
                     let mut part = vec![0f32; c * h];
                     part[..valid * h].copy_from_slice(&rows[done * h..(done + valid) * h]);
-                    BufferView::from_f32(&self.device, &[c, h], &part)?
+                    BufferView::input_f32(&self.device, &[c, h], &part)?
                 }
             };
             // Only the last chunk's next token and logits are returned: the others skip the head.
@@ -571,10 +571,10 @@ impl IreeModel {
             let entry = self.entry_for(role, c, end, head)?;
             let name = self.manifest.entry_points[entry].name.as_str();
             let pos0 = kv.len as i32;
-            let pos0_view = BufferView::from_i32(&self.device, &[], &[pos0])?;
+            let pos0_view = BufferView::input_i32(&self.device, &[], &[pos0])?;
             // The call writes `c` rows at the state's end, padding included.
             kv.will_write(c);
-            let valid_view = BufferView::from_i32(&self.device, &[], &[valid as i32])?;
+            let valid_view = BufferView::input_i32(&self.device, &[], &[valid as i32])?;
             let rows = ChunkRows {
                 input: &first,
                 pos0: (&pos0_view, pos0),

@@ -102,6 +102,36 @@ fn add_two_tensors() {
     }
 }
 
+/// A call's inputs written through a host mapping (`BufferView::input`, host memory on
+/// Vulkan) are what a dispatch reads, call after call in new buffers; a length that does not
+/// fit the shape is a typed error.
+#[test]
+fn inputs_written_through_a_mapping_feed_a_call() {
+    for (device, target) in devices() {
+        let session = load(&device, target, ADD);
+        for k in 0..20 {
+            let x = k as f32;
+            let a = BufferView::input_f32(&device, &[4], &[x, 2.0, 3.0, 4.0]).unwrap();
+            let b = BufferView::input_f32(&device, &[4], &[10.0, 20.0, 30.0, x]).unwrap();
+            assert_eq!(a.shape(), vec![4]);
+            let out = session.call("add", &[&a, &b]).unwrap();
+            assert_eq!(
+                out[0].to_f32_vec().unwrap(),
+                vec![x + 10.0, 22.0, 33.0, 4.0 + x],
+                "{target:?}, call {k}"
+            );
+        }
+        let ids = BufferView::input_i32(&device, &[3], &[5, -1, 7]).unwrap();
+        assert_eq!(ids.to_i32_vec().unwrap(), vec![5, -1, 7], "{target:?}");
+        let scalar = BufferView::input_i32(&device, &[], &[860]).unwrap();
+        assert_eq!(scalar.to_i32_vec().unwrap(), vec![860], "{target:?}");
+        assert!(matches!(
+            BufferView::input_f32(&device, &[2, 3], &[1.0; 5]),
+            Err(Error::ShapeMismatch { .. })
+        ));
+    }
+}
+
 #[test]
 fn entry_points_take_fences_and_a_synchronous_module_still_runs() {
     for (device, target) in devices() {
