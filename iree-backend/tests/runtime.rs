@@ -103,11 +103,12 @@ fn add_two_tensors() {
 }
 
 /// A call's inputs written through a host mapping (`BufferView::input`, host memory on
-/// Vulkan) are what a dispatch reads, call after call in new buffers; a length that does not
-/// fit the shape is a typed error.
+/// Vulkan; uploaded on the CPU device) are what a dispatch reads, call after call in new
+/// buffers; a length that does not fit the shape is a typed error.
 #[test]
 fn inputs_written_through_a_mapping_feed_a_call() {
     for (device, target) in devices() {
+        let before = device.input_stats();
         let session = load(&device, target, ADD);
         for k in 0..20 {
             let x = k as f32;
@@ -129,6 +130,16 @@ fn inputs_written_through_a_mapping_feed_a_call() {
             BufferView::input_f32(&device, &[2, 3], &[1.0; 5]),
             Err(Error::ShapeMismatch { .. })
         ));
+        // 42 inputs, all mapped where the driver offers the host memory (lavapipe in CI does).
+        let after = device.input_stats();
+        let (mapped, uploaded) = (
+            after.mapped - before.mapped,
+            after.uploaded - before.uploaded,
+        );
+        match target {
+            Target::VulkanSpirv => assert_eq!((mapped, uploaded), (42, 0), "{target:?}"),
+            Target::LlvmCpu => assert_eq!((mapped, uploaded), (0, 42), "{target:?}"),
+        }
     }
 }
 

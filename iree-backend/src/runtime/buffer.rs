@@ -309,8 +309,9 @@ impl BufferView {
     /// host memory the device reads, written through a mapping, so that no queue operation
     /// runs before the call (each upload of [`BufferView::from_bytes`] is a submission and a
     /// wait: three per decode step, 0.14-1.06 ms a step on lavapipe); where the driver offers
-    /// no such memory, and on the CPU device, [`BufferView::from_bytes`]. Not for large or
-    /// long-lived data: a GPU reads host memory over its bus.
+    /// no such memory, and on the CPU device, [`BufferView::from_bytes`]
+    /// ([`Device::input_stats`] counts both). Not for large or long-lived data: a GPU reads
+    /// host memory over its bus.
     pub fn input(
         device: &Device,
         shape: &[usize],
@@ -320,10 +321,13 @@ impl BufferView {
         host_data_fits("write a call's input", shape, elem, bytes.len())?;
         if device.kind() == DeviceKind::Vulkan && !bytes.is_empty() {
             if let Some(view) = Self::mapped_input(device, shape, elem, bytes)? {
+                device.inner.inputs_mapped.fetch_add(1, Ordering::Relaxed);
                 return Ok(view);
             }
         }
-        Self::from_bytes(device, shape, elem, bytes)
+        let view = Self::from_bytes(device, shape, elem, bytes)?;
+        device.inner.inputs_uploaded.fetch_add(1, Ordering::Relaxed);
+        Ok(view)
     }
 
     /// [`BufferView::input`]'s host-memory buffer (`bytes` as long as `shape` x `elem`), or

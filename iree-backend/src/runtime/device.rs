@@ -95,6 +95,16 @@ pub struct ImportStats {
     pub copied_bytes: u64,
 }
 
+/// Counters of a call's small inputs ([`BufferView::input`](super::BufferView::input)), to
+/// see which path they took.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct InputStats {
+    /// Inputs written through a host mapping (Vulkan's host memory the device reads).
+    pub mapped: u64,
+    /// Inputs uploaded into device memory (the CPU device, or a driver without such memory).
+    pub uploaded: u64,
+}
+
 impl ImportStats {
     /// Counts one import of `bytes` that took the path `mode`.
     pub fn add(&mut self, mode: &ImportMode, bytes: u64) {
@@ -135,6 +145,8 @@ pub(crate) struct DeviceInner {
     pub(crate) imports_copied: AtomicU64,
     pub(crate) zero_copy_bytes: AtomicU64,
     pub(crate) copied_bytes: AtomicU64,
+    pub(crate) inputs_mapped: AtomicU64,
+    pub(crate) inputs_uploaded: AtomicU64,
 }
 
 // SAFETY: iree_hal_device_t and iree_hal_driver_t are reference counted atomically and their APIs
@@ -296,6 +308,8 @@ impl Device {
                 imports_copied: AtomicU64::new(0),
                 zero_copy_bytes: AtomicU64::new(0),
                 copied_bytes: AtomicU64::new(0),
+                inputs_mapped: AtomicU64::new(0),
+                inputs_uploaded: AtomicU64::new(0),
             }),
         })
     }
@@ -355,6 +369,14 @@ impl Device {
             copied: self.inner.imports_copied.load(Ordering::Relaxed),
             zero_copy_bytes: self.inner.zero_copy_bytes.load(Ordering::Relaxed),
             copied_bytes: self.inner.copied_bytes.load(Ordering::Relaxed),
+        }
+    }
+
+    /// How a call's small inputs reached this device so far.
+    pub fn input_stats(&self) -> InputStats {
+        InputStats {
+            mapped: self.inner.inputs_mapped.load(Ordering::Relaxed),
+            uploaded: self.inner.inputs_uploaded.load(Ordering::Relaxed),
         }
     }
 
