@@ -977,7 +977,7 @@ impl<'a> Forward<'a> {
         let blocks = rows / block;
         let p = self.b.reshape(p, &[kvh, c, g, blocks, block]);
         let values = self.b.reshape(values, &[blocks, block, kvh, hd]);
-        // Batch (kvh, block), contracting the keys of a block: [kvh, blocks, C, g, hd].
+        // Batch (kvh, blocks), contracting the keys of a block: [kvh, blocks, C, g, hd].
         let dims = DotDims {
             lhs_batch: vec![0, 3],
             rhs_batch: vec![2, 0],
