@@ -53,7 +53,9 @@ done
 
 NPY="$ROOT/target/profile-inputs"
 mkdir -p "$NPY"
-read -r -a INPUTS <<< "$(python3 "$ROOT/scripts/profile_dispatches.py" inputs "$MLIR" "$ENTRY" "$POS0" "$VALID" "$NPY")"
+# (Assigned first: `set -e` stops at a failed substitution there, not inside a here-string.)
+ARGS="$(python3 "$ROOT/scripts/profile_dispatches.py" inputs "$MLIR" "$ENTRY" "$POS0" "$VALID" "$NPY")"
+read -r -a INPUTS <<< "$ARGS"
 OUT="$(mktemp -d)"
 trap 'rm -rf "$OUT"' EXIT
 
