@@ -726,20 +726,11 @@ fn compile_errors_carry_the_compiler_text_and_versions_are_checked() {
     // A compiler of another version is refused with a message saying what to install.
     #[cfg(unix)]
     {
-        use std::os::unix::fs::PermissionsExt;
-        let fake = dir.join("iree-compile-3.11");
-        std::fs::write(
-            &fake,
+        let fake = executable_script(
+            &dir.join("iree-compile-3.11"),
             "#!/bin/sh\necho 'IREE (https://iree.dev):'\necho '  IREE compiler version 3.11.0 @ abc'\n",
-        )
-        .unwrap();
-        std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
-        // Retried: another test thread forking while the script was open for writing can make the
-        // first exec fail with "Text file busy".
-        let status = (0..5)
-            .map(|_| backend_text(Compiler::with_executable(&fake).unwrap_err()).1)
-            .find(|s| !s.contains("Text file busy"))
-            .unwrap();
+        );
+        let status = backend_text(Compiler::with_executable(&fake).unwrap_err()).1;
         assert!(
             status.contains("3.11.0") && status.contains("iree-base-compiler==3.13.0"),
             "{status}"
@@ -823,18 +814,41 @@ fn a_vulkan_target_is_a_flag_of_vulkan_compiles_and_part_of_their_cache_key() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// Makes `path` an executable script of `text`, and returns it. The script is written by `cp`,
+/// never opened for writing in this process: a child another test thread forks meanwhile
+/// (before that child's exec, which is slow on a loaded machine) would hold the descriptor, and
+/// every exec of the script would fail with "Text file busy" until it let go.
+#[cfg(unix)]
+fn executable_script(path: &std::path::Path, text: &str) -> std::path::PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let source = path.with_extension("txt");
+    std::fs::write(&source, text).unwrap();
+    let copied = std::process::Command::new("cp")
+        .arg(&source)
+        .arg(path)
+        .status()
+        .unwrap();
+    assert!(
+        copied.success(),
+        "cp {} {}",
+        source.display(),
+        path.display()
+    );
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755)).unwrap();
+    path.to_path_buf()
+}
+
 /// A fake `iree-compile` 3.13 that hangs without using CPU on its first `hangs` runs (a child
 /// `sleep`, as the real compiler's threads all waiting on futexes) and then writes a vmfb. The
 /// sleep's argument ([`hung_sleep`]) is this test process's own, so that no other `sleep` on
 /// the machine is taken for it.
 #[cfg(target_os = "linux")]
 fn hanging_compiler(dir: &std::path::Path, hangs: usize) -> std::path::PathBuf {
-    use std::os::unix::fs::PermissionsExt;
     let script = dir.join(format!("iree-compile-hangs-{hangs}"));
     let runs = dir.join(format!("runs-{hangs}"));
-    std::fs::write(
+    executable_script(
         &script,
-        format!(
+        &format!(
             "#!/bin/sh\n\
              case \"$1\" in --version) echo 'IREE (https://iree.dev):'; \
              echo '  IREE compiler version 3.13.0 @ fake'; exit 0;; esac\n\
@@ -847,9 +861,6 @@ fn hanging_compiler(dir: &std::path::Path, hangs: usize) -> std::path::PathBuf {
             secs = hung_sleep(),
         ),
     )
-    .unwrap();
-    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
-    script
 }
 
 /// The seconds the fake compiler's hung runs sleep: 600 and a fraction naming this process.
@@ -883,13 +894,9 @@ fn a_compiler_that_stops_using_cpu_is_killed_and_started_again_once() {
     let dir = std::env::temp_dir().join(format!("kvsnap-stall-test-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let limit = std::time::Duration::from_secs(2);
-    // Retried: another test thread forking while a script was open for writing can make the
-    // first exec fail with "Text file busy".
     let with = |hangs: usize| {
-        let exe = hanging_compiler(&dir, hangs);
-        (0..5)
-            .find_map(|_| Compiler::with_executable(&exe).ok())
-            .expect("the fake compiler reports 3.13")
+        Compiler::with_executable(hanging_compiler(&dir, hangs))
+            .unwrap_or_else(|e| panic!("the fake compiler should report 3.13: {e}"))
             .with_cache_dir(dir.join(format!("cache-{hangs}")))
             .with_stall_limit(limit)
     };
