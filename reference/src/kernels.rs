@@ -338,10 +338,13 @@ pub fn matmul_gemm_crate(out: &mut [f32], x: &[f32], w: &[f32], n: usize, i: usi
 /// the `gemm` crate (gate/up `[4096, 640]`: 4.0 vs 3.7 ms; down 2.6 -> 1.7 ms).
 pub const FEW_ROWS: usize = 64;
 
-/// Rows of a norm (elements of a residual add: as many as that many of Gemma 3 270M's rows) a
-/// task takes where a prefill's many rows run on the team; a decode step's one row, or a short
-/// extend's few, run on the calling thread as one task.
+/// Rows of a norm a task takes where a prefill's many rows run on the team; a decode step's
+/// one row, or a short extend's few, run on the calling thread as one task.
 const ROW_TASK: usize = 32;
+
+/// Elements of a residual add a task takes: [`ROW_TASK`] rows of Gemma 3 270M's width (640).
+/// [`add_inplace`] sees flat slices; a model of another width only splits them elsewhere.
+const ADD_TASK: usize = ROW_TASK * 640;
 
 /// How many groups of four weight rows ahead [`matmul_few`] prefetches.
 #[cfg(target_arch = "x86_64")]
@@ -892,8 +895,7 @@ pub fn rms_norm(out: &mut [f32], x: &[f32], w: &[f32], eps: f32) {
     let rows = ROW_TASK * dim;
     team::for_each_chunk_zip(out, rows, x, rows, |out, x| {
         for (o, x) in out.chunks_exact_mut(dim).zip(x.chunks_exact(dim)) {
-            let mean = dot(x, x) / dim as f32;
-            let inv = 1.0 / (mean + eps).sqrt();
+            let inv = inverse_rms(x, eps);
             for ((o, &x), &w) in o.iter_mut().zip(x).zip(w) {
                 *o = x * inv * (1.0 + w);
             }
@@ -906,13 +908,18 @@ pub fn rms_norm_inplace(x: &mut [f32], w: &[f32], eps: f32) {
     let dim = w.len();
     team::for_each_chunk(x, ROW_TASK * dim, |_, x| {
         for x in x.chunks_exact_mut(dim) {
-            let mean = dot(x, x) / dim as f32;
-            let inv = 1.0 / (mean + eps).sqrt();
+            let inv = inverse_rms(x, eps);
             for (x, &w) in x.iter_mut().zip(w) {
                 *x = *x * inv * (1.0 + w);
             }
         }
     });
+}
+
+/// `1 / sqrt(mean(x^2) + eps)` of one row, the scale of [`rms_norm`].
+#[inline]
+fn inverse_rms(x: &[f32], eps: f32) -> f32 {
+    1.0 / (dot(x, x) / x.len() as f32 + eps).sqrt()
 }
 
 /// Naive oracle of [`rms_norm`] in f64.
@@ -1122,8 +1129,7 @@ fn softmax_plain(x: &mut [f32]) {
 /// `out += x`, element-wise (residual connections).
 pub fn add_inplace(out: &mut [f32], x: &[f32]) {
     assert_eq!(out.len(), x.len(), "add_inplace");
-    let size = ROW_TASK * 640;
-    team::for_each_chunk_zip(out, size, x, size, |out, x| {
+    team::for_each_chunk_zip(out, ADD_TASK, x, ADD_TASK, |out, x| {
         for (o, &x) in out.iter_mut().zip(x) {
             *o += x;
         }

@@ -309,7 +309,7 @@ impl BufferView {
     /// host memory the device reads, written through a mapping, so that no queue operation
     /// runs before the call (each upload of [`BufferView::from_bytes`] is a submission and a
     /// wait: three per decode step, 0.14-1.06 ms a step on lavapipe); where the driver offers
-    /// no such memory, and on the CPU device, [`BufferView::from_bytes`]
+    /// no such memory (asked once a device), and on the CPU device, [`BufferView::from_bytes`]
     /// ([`Device::input_stats`] counts both). Not for large or long-lived data: a GPU reads
     /// host memory over its bus.
     pub fn input(
@@ -319,11 +319,16 @@ impl BufferView {
         bytes: &[u8],
     ) -> Result<BufferView> {
         host_data_fits("write a call's input", shape, elem, bytes.len())?;
-        if device.kind() == DeviceKind::Vulkan && !bytes.is_empty() {
+        let refused = &device.inner.host_inputs_refused;
+        if device.kind() == DeviceKind::Vulkan
+            && !bytes.is_empty()
+            && !refused.load(Ordering::Relaxed)
+        {
             if let Some(view) = Self::mapped_input(device, shape, elem, bytes)? {
                 device.inner.inputs_mapped.fetch_add(1, Ordering::Relaxed);
                 return Ok(view);
             }
+            refused.store(true, Ordering::Relaxed);
         }
         let view = Self::from_bytes(device, shape, elem, bytes)?;
         device.inner.inputs_uploaded.fetch_add(1, Ordering::Relaxed);

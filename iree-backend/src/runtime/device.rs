@@ -1,7 +1,7 @@
 //! `Device`: one HAL device (`local-task` on the CPU, or a Vulkan physical device) with its
 //! allocator, plus the queue operations kvsnap needs (device copy and fill with semaphore waits).
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use kvsnap_contract::{Error, Result};
@@ -147,6 +147,9 @@ pub(crate) struct DeviceInner {
     pub(crate) copied_bytes: AtomicU64,
     pub(crate) inputs_mapped: AtomicU64,
     pub(crate) inputs_uploaded: AtomicU64,
+    /// Set once the allocator refused host memory for a call's input: later inputs upload
+    /// without asking again.
+    pub(crate) host_inputs_refused: AtomicBool,
 }
 
 // SAFETY: iree_hal_device_t and iree_hal_driver_t are reference counted atomically and their APIs
@@ -310,6 +313,7 @@ impl Device {
                 copied_bytes: AtomicU64::new(0),
                 inputs_mapped: AtomicU64::new(0),
                 inputs_uploaded: AtomicU64::new(0),
+                host_inputs_refused: AtomicBool::new(false),
             }),
         })
     }
