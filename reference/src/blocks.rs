@@ -4,7 +4,8 @@ use kvsnap_contract::{LayerKind, ModelConfig, Result};
 
 use crate::attention::{attention, AttnShape};
 use crate::kernels::{
-    add_inplace, geglu, matmul, matmul_packed, rms_norm, rms_norm_inplace, PackedWeight,
+    add_inplace, geglu, geglu_matmul_packed, matmul, matmul_packed, rms_norm, rms_norm_inplace,
+    PackedWeight,
 };
 use crate::kv::{KvSegment, LayerKv};
 use crate::rope::{Rope, RopeTables};
@@ -286,8 +287,18 @@ impl Mlp {
     /// `x`: `[n, hidden]`; `w.out` becomes `[n, hidden]`.
     pub fn forward(&self, x: &[f32], w: &mut Work) {
         self.gate_up_proj.forward(x, &mut w.gate_up);
-        geglu(sized(&mut w.ffn, w.gate_up.len() / 2), &w.gate_up, self.ffn);
-        self.down_proj.forward(&w.ffn, &mut w.out);
+        let n = w.gate_up.len() / (2 * self.ffn);
+        match self.down_proj.packed() {
+            // More rows than one: the GeGLU goes into the down projection's bands.
+            Some(down) if n > 1 => {
+                let (o, _) = down.shape();
+                geglu_matmul_packed(sized(&mut w.out, n * o), &w.gate_up, down, n);
+            }
+            _ => {
+                geglu(sized(&mut w.ffn, n * self.ffn), &w.gate_up, self.ffn);
+                self.down_proj.forward(&w.ffn, &mut w.out);
+            }
+        }
     }
 }
 

@@ -199,6 +199,35 @@ pub fn matmul_packed(out: &mut [f32], x: &[f32], w: &PackedWeight, n: usize) {
     }
 }
 
+/// `out = geglu(gate_up) . w^T` ([`geglu`], then [`matmul_packed`]) for `n > 1` rows: the
+/// GeGLU of each band of rows the blocked GEMM interleaves is computed into a small per-thread
+/// scratch as the band is made, so its `[n, f]` output never goes to memory and back (7 MB a
+/// layer of the 860-token prefill). The same floats as the two calls; a single row takes them
+/// (there is no band, and the row's GeGLU is a vector of its own: callers with a buffer for it
+/// keep the two calls).
+///
+/// # Shapes
+/// `out`: `[n, o]`, `gate_up`: `[n, 2 i]` for `w`'s `(o, i)` (each row its gate, then its up).
+pub fn geglu_matmul_packed(out: &mut [f32], gate_up: &[f32], w: &PackedWeight, n: usize) {
+    let (o, i) = w.shape();
+    assert_eq!(out.len(), n * o, "geglu_matmul_packed: out");
+    assert_eq!(gate_up.len(), n * 2 * i, "geglu_matmul_packed: gate_up");
+    match n {
+        0 => {}
+        1 => {
+            let mut ffn = vec![0.0; i];
+            geglu(&mut ffn, gate_up, i);
+            matmul_packed(out, &ffn, w, 1);
+        }
+        // SAFETY: a `PackedWeight` exists only where the CPU has AVX-512F; the lengths are
+        // asserted above.
+        #[cfg(target_arch = "x86_64")]
+        _ => unsafe { blocked::geglu_matmul_panels_avx512(out, gate_up, &w.panels, n) },
+        #[cfg(not(target_arch = "x86_64"))]
+        _ => unreachable!("PackedWeight::new returns None off x86-64"),
+    }
+}
+
 /// Keys a panel of [`KeyPanels`] holds: [`scores_packed`] scores whole panels.
 pub const KEY_PANEL: usize = 32;
 
@@ -1317,25 +1346,33 @@ pub(crate) mod tests {
         }
     }
 
+    /// Whether weights are packed here (the AVX-512F kernels run); prints that the test is
+    /// skipped where not. Packing is for the AVX-512 kernels only: without them every layer
+    /// keeps the row-major kernels the other tests cover.
+    fn weights_are_packed() -> bool {
+        if PackedWeight::new(&[0.0], 1, 1).is_some() {
+            return true;
+        }
+        #[cfg(target_arch = "x86_64")]
+        assert!(
+            !avx512f(),
+            "the AVX-512 kernels run, yet nothing was packed"
+        );
+        eprintln!(
+            "SKIPPED: weights are not packed (no AVX-512F, or {PORTABLE_KERNELS_ENV} is set)"
+        );
+        false
+    }
+
     /// A packed weight multiplies as the row-major one does: one row (the panel matvec, with
     /// a depth not a multiple of its 4-position steps) and more (the blocked tiles over the
     /// packed panels), partial panels included, and weights stacked into one. Where the
     /// AVX-512F kernels do not run, nothing is packed (asserted) and the rest is skipped.
     #[test]
     fn matmul_packed_matches_naive() {
-        let Some(_) = PackedWeight::new(&[0.0], 1, 1) else {
-            // Packing is for the AVX-512 kernels only: without them every layer keeps the
-            // row-major kernels the other tests cover.
-            #[cfg(target_arch = "x86_64")]
-            assert!(
-                !avx512f(),
-                "the AVX-512 kernels run, yet nothing was packed"
-            );
-            eprintln!(
-                "SKIPPED: weights are not packed (no AVX-512F, or {PORTABLE_KERNELS_ENV} is set)"
-            );
+        if !weights_are_packed() {
             return;
-        };
+        }
         for &(n, i, o) in &[
             (1, 640, 1024),
             (1, 2048, 640),
@@ -1379,6 +1416,39 @@ pub(crate) mod tests {
             matmul_packed(&mut fast, &x, &packed, n);
             matmul_naive(&mut slow, &x, &w, n, i, 116);
             assert!(max_diff(&fast, &slow) < 1e-5, "stacked, n {n}");
+        }
+    }
+
+    /// The GeGLU fused into a packed product's bands gives the very floats of [`geglu`] then
+    /// [`matmul_packed`]: one row, one band, a band and a partial one, many bands; depths with
+    /// and without a whole number of lanes. Skipped, as packing itself, without the AVX-512F
+    /// kernels.
+    #[test]
+    fn geglu_into_the_bands_is_geglu_then_the_product() {
+        if !weights_are_packed() {
+            return;
+        }
+        for &(n, f, o) in &[
+            (1, 64, 40),
+            (2, 64, 40),
+            (12, 33, 70),
+            (13, 2048, 64),
+            (97, 48, 33),
+        ] {
+            // Gates across GELU's whole range, up to +-8.
+            let gate_up: Vec<f32> = values(n * 2 * f, 5).iter().map(|v| 8.0 * v).collect();
+            let packed = PackedWeight::new(&values(o * f, 6), f, o).expect("packed");
+            let mut ffn = vec![0.0; n * f];
+            geglu(&mut ffn, &gate_up, f);
+            let mut want = vec![0.0; n * o];
+            matmul_packed(&mut want, &ffn, &packed, n);
+            let mut got = vec![f32::NAN; n * o];
+            geglu_matmul_packed(&mut got, &gate_up, &packed, n);
+            let same = got
+                .iter()
+                .zip(&want)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "{n}x{f}x{o}: {}", max_diff(&got, &want));
         }
     }
 

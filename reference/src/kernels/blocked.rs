@@ -107,8 +107,65 @@ pub(super) unsafe fn matmul_avx512(
 /// # Safety
 /// The CPU must have AVX-512F; `out` and `x` hold `n * w.o` and `n * w.i` floats.
 pub(super) unsafe fn matmul_panels_avx512(out: &mut [f32], x: &[f32], w: &Panels, n: usize) {
-    let (i, o) = (w.i, w.o);
-    let bands = bands(x, i, n, i);
+    // SAFETY: the CPU has AVX-512F; `x` holds `n` rows of `w.i` floats.
+    let bands = unsafe { bands(x, w.i, n, w.i) };
+    // SAFETY: as the caller's contract; `bands` holds `x`'s rows.
+    unsafe { bands_by_panels(out, &bands, w, n) }
+}
+
+/// [`matmul_panels_avx512`] of `geglu(gate_up)` (`n` rows of `[gate, up]`, `2 w.i` floats):
+/// each band's rows go through [`super::geglu`]'s kernel into a band-sized scratch and are
+/// interleaved from there (one band a task), so the GeGLU's `[n, w.i]` output is never
+/// written to memory and read back. The same floats as [`super::geglu`] then
+/// [`matmul_panels_avx512`].
+///
+/// # Safety
+/// The CPU must have AVX-512F; `out` and `gate_up` hold `n * w.o` and `n * 2 * w.i` floats.
+pub(super) unsafe fn geglu_matmul_panels_avx512(
+    out: &mut [f32],
+    gate_up: &[f32],
+    w: &Panels,
+    n: usize,
+) {
+    thread_local! {
+        /// A thread's GeGLU of one band's rows (reused across calls).
+        static ROWS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    }
+    let f = w.i;
+    let interleave = |b: usize, band: &mut [MaybeUninit<f32>]| {
+        let count = MR.min(n - b * MR);
+        let gate_up = &gate_up[b * MR * 2 * f..][..count * 2 * f];
+        ROWS.with_borrow_mut(|rows| {
+            rows.resize(MR * f, 0.0);
+            for (row, gate_up) in rows.chunks_exact_mut(f).zip(gate_up.chunks_exact(2 * f)) {
+                let (gate, up) = gate_up.split_at(f);
+                // SAFETY: the CPU has AVX-512F (the caller's contract).
+                unsafe { super::geglu_avx512(row, gate, up) };
+            }
+            // SAFETY: as above; `rows` holds the band's `count` rows of `f` floats.
+            unsafe { interleave_avx512(band, rows, count, f) }
+        })
+    };
+    let mut bands = Vec::new();
+    // SAFETY: `interleave` writes every float of its band (`interleave_avx512` does).
+    unsafe {
+        append_written(
+            &mut bands,
+            n.div_ceil(MR) * f * MR,
+            (f * MR).max(1),
+            interleave,
+        )
+    };
+    // SAFETY: as the caller's contract; `bands` holds the GeGLU's rows.
+    unsafe { bands_by_panels(out, &bands, w, n) }
+}
+
+/// `out[n, w.o] = rows . w^T` for the `n` rows interleaved in `bands` ([`bands`]).
+///
+/// # Safety
+/// The CPU must have AVX-512F; `out` holds `n * w.o` floats and `bands` `n` rows of `w.i`.
+unsafe fn bands_by_panels(out: &mut [f32], bands: &[f32], w: &Panels, n: usize) {
+    let o = w.o;
     let dst = Out(out.as_mut_ptr());
     let panels = w.cols.len();
     // Each task a run of consecutive panels, so that the next one it prefetches is its own.
@@ -120,7 +177,7 @@ pub(super) unsafe fn matmul_panels_avx512(out: &mut [f32], x: &[f32], w: &Panels
             let next = (panel + 1 < run.end).then(|| w.panel(panel + 1));
             // SAFETY: the CPU has AVX-512F (the caller's contract); this task alone writes the
             // columns `cols` of `out`, which holds `n * o` floats; the panel is `[i, NR]`.
-            unsafe { panel_avx512(dst, &bands, w.panel(panel), next, cols, n, o) };
+            unsafe { panel_avx512(dst, bands, w.panel(panel), next, cols, n, o) };
         }
     });
 }
