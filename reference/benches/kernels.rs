@@ -6,6 +6,8 @@
 //! - `matmul/*`: the same projections for a 22-token extend and an 860-token prefill, on the
 //!   row-major weights and on packed ones (`matmul/packed_*`, what the model's layers run
 //!   where the CPU has AVX-512F), and the prefill by the `gemm` crate (`matmul/gemm_crate_*`);
+//! - `mlp_down/*`: the MLP's GeGLU and down projection for those chunks, the GeGLU written out
+//!   first or computed into the projection's bands (what the model runs);
 //! - `attention/*`: one decode query and a 32-query chunk over 64, 512 and 1024 keys, and a
 //!   256-query chunk over 1024 (4 query heads sharing one KV head of 256);
 //! - `rms_norm/*`: one 640 row and an 860-row prefill;
@@ -26,7 +28,8 @@ use kvsnap_contract::{KvModel, Logits, ModelConfig};
 use kvsnap_reference::attention::{attention, AttnShape};
 use kvsnap_reference::head::TiedHead;
 use kvsnap_reference::kernels::{
-    matmul, matmul_gemm_crate, matmul_packed, matvec, rms_norm, PackedWeight, FEW_ROWS,
+    geglu, geglu_matmul_packed, matmul, matmul_gemm_crate, matmul_packed, matvec, rms_norm,
+    PackedWeight, FEW_ROWS,
 };
 use kvsnap_reference::kv::KvSegment;
 use kvsnap_reference::tiny::{config_json, random_weights, Preset};
@@ -118,6 +121,35 @@ fn bench_matmul(c: &mut Criterion) {
                 });
             }
         }
+    }
+    g.finish();
+}
+
+/// The MLP's GeGLU and down projection for a 22-token extend and an 860-token prefill, on
+/// packed weights: the GeGLU written out and then multiplied (`geglu_then_down`) against the
+/// GeGLU computed into the down projection's bands (`geglu_into_down`, what the model runs).
+fn bench_mlp_down(c: &mut Criterion) {
+    let (f, o) = (2048, 640);
+    let Some(packed) = PackedWeight::new(&values(o * f, 1), f, o) else {
+        eprintln!("SKIPPED: mlp_down (weights are not packed without the AVX-512F kernels)");
+        return;
+    };
+    let mut g = c.benchmark_group("mlp_down");
+    g.sample_size(20);
+    for n in [22usize, 860] {
+        let gate_up = values(n * 2 * f, 2);
+        let mut ffn = vec![0.0; n * f];
+        let mut out = vec![0.0; n * o];
+        g.throughput(Throughput::Elements((2 * n * f * o) as u64));
+        g.bench_with_input(BenchmarkId::new("geglu_then_down", n), &n, |b, &n| {
+            b.iter(|| {
+                geglu(&mut ffn, &gate_up, f);
+                matmul_packed(black_box(&mut out), &ffn, &packed, n)
+            })
+        });
+        g.bench_with_input(BenchmarkId::new("geglu_into_down", n), &n, |b, &n| {
+            b.iter(|| geglu_matmul_packed(black_box(&mut out), &gate_up, &packed, n))
+        });
     }
     g.finish();
 }
@@ -226,6 +258,7 @@ criterion_group!(
     bench_matvec,
     bench_head,
     bench_matmul,
+    bench_mlp_down,
     bench_attention,
     bench_rms_norm,
     bench_snapshot
