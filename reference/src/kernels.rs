@@ -199,12 +199,12 @@ pub fn matmul_packed(out: &mut [f32], x: &[f32], w: &PackedWeight, n: usize) {
     }
 }
 
-/// `out = geglu(gate_up) . w^T` ([`geglu`], then [`matmul_packed`]) for `n > 1` rows: the
-/// GeGLU of each band of rows the blocked GEMM interleaves is computed into a small per-thread
-/// scratch as the band is made, so its `[n, f]` output never goes to memory and back (7 MB a
-/// layer of the 860-token prefill). The same floats as the two calls; a single row takes them
-/// (there is no band, and the row's GeGLU is a vector of its own: callers with a buffer for it
-/// keep the two calls).
+/// `out = geglu(gate_up) . w^T`: the same floats as [`geglu`] then [`matmul_packed`]. For two
+/// rows or more the GeGLU of each band of rows the blocked GEMM interleaves is computed into a
+/// small per-thread scratch as the band is made, so its `[n, f]` output never goes to memory
+/// and back (7 MB a layer of the 860-token prefill). A single row takes the two calls (there
+/// is no band), its GeGLU in a vector of its own: callers with a buffer for it call them
+/// directly.
 ///
 /// # Shapes
 /// `out`: `[n, o]`, `gate_up`: `[n, 2 i]` for `w`'s `(o, i)` (each row its gate, then its up).
