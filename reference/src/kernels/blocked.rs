@@ -132,30 +132,21 @@ pub(super) unsafe fn geglu_matmul_panels_avx512(
         static ROWS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
     }
     let f = w.i;
-    let interleave = |b: usize, band: &mut [MaybeUninit<f32>]| {
-        let count = MR.min(n - b * MR);
-        let gate_up = &gate_up[b * MR * 2 * f..][..count * 2 * f];
-        ROWS.with_borrow_mut(|rows| {
-            rows.resize(MR * f, 0.0);
-            for (row, gate_up) in rows.chunks_exact_mut(f).zip(gate_up.chunks_exact(2 * f)) {
+    let fill = |rows: Range<usize>, band: &mut [MaybeUninit<f32>]| {
+        let gate_up = &gate_up[rows.start * 2 * f..rows.end * 2 * f];
+        ROWS.with_borrow_mut(|scratch| {
+            scratch.resize(MR * f, 0.0);
+            for (row, gate_up) in scratch.chunks_exact_mut(f).zip(gate_up.chunks_exact(2 * f)) {
                 let (gate, up) = gate_up.split_at(f);
                 // SAFETY: the CPU has AVX-512F (the caller's contract).
                 unsafe { super::geglu_avx512(row, gate, up) };
             }
-            // SAFETY: as above; `rows` holds the band's `count` rows of `f` floats.
-            unsafe { interleave_avx512(band, rows, count, f) }
+            // SAFETY: as above; `scratch` holds the band's rows, `f` floats each.
+            unsafe { interleave_avx512(band, scratch, rows.len(), f) }
         })
     };
-    let mut bands = Vec::new();
-    // SAFETY: `interleave` writes every float of its band (`interleave_avx512` does).
-    unsafe {
-        append_written(
-            &mut bands,
-            n.div_ceil(MR) * f * MR,
-            (f * MR).max(1),
-            interleave,
-        )
-    };
+    // SAFETY: `fill` writes every float of its band (`interleave_avx512` does).
+    let bands = unsafe { bands_of(n, f, fill) };
     // SAFETY: as the caller's contract; `bands` holds the GeGLU's rows.
     unsafe { bands_by_panels(out, &bands, w, n) }
 }
@@ -422,15 +413,28 @@ fn panel_cols(panel: usize, o: usize) -> Range<usize> {
 /// The CPU must have AVX-512F; `x` holds `n` rows of `i` floats `stride` apart (the last one
 /// may end the slice), and `stride <= MAX_DEPTH`.
 unsafe fn bands(x: &[f32], stride: usize, n: usize, i: usize) -> Vec<f32> {
-    let len = n.div_ceil(MR) * i * MR;
-    let interleave = |b: usize, band: &mut [MaybeUninit<f32>]| {
-        let count = MR.min(n - b * MR);
-        // SAFETY: the CPU has AVX-512F; rows `b * MR..b * MR + count` of `x` exist.
-        unsafe { interleave_avx512(band, &x[b * MR * stride..], count, stride) }
+    let fill = |rows: Range<usize>, band: &mut [MaybeUninit<f32>]| {
+        // SAFETY: the CPU has AVX-512F; the rows `rows` of `x` exist.
+        unsafe { interleave_avx512(band, &x[rows.start * stride..], rows.len(), stride) }
     };
+    // SAFETY: `fill` writes every float of its band (`interleave_avx512` does).
+    unsafe { bands_of(n, i, fill) }
+}
+
+/// `n` rows of `i` floats in bands of [`MR`] rows (`[n / MR, i, MR]`), one band a task (in
+/// parallel, as [`append_written`]): `fill(rows, band)` writes the band of the rows `rows`.
+///
+/// # Safety
+/// `fill` writes every float of its band.
+unsafe fn bands_of(
+    n: usize,
+    i: usize,
+    fill: impl Fn(Range<usize>, &mut [MaybeUninit<f32>]) + Sync,
+) -> Vec<f32> {
+    let band = |b: usize, band: &mut [MaybeUninit<f32>]| fill(b * MR..n.min(b * MR + MR), band);
     let mut bands = Vec::new();
-    // SAFETY: `interleave` writes every float of its band (`interleave_avx512` does).
-    unsafe { append_written(&mut bands, len, (i * MR).max(1), interleave) };
+    // SAFETY: `fill` writes every float of its band (the caller's contract).
+    unsafe { append_written(&mut bands, n.div_ceil(MR) * i * MR, (i * MR).max(1), band) };
     bands
 }
 
