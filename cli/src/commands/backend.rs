@@ -90,6 +90,12 @@ pub fn note_reference_load(model: &ReferenceModel) {
 pub trait LoadFacts {
     /// The facts as a JSON object.
     fn load_facts(&self) -> Value;
+
+    /// How the calls so far passed their small inputs to the device, where the backend has a
+    /// device: `{"mapped": n, "uploaded": m}` ([`kvsnap_iree::runtime::InputStats`]).
+    fn input_facts(&self) -> Option<Value> {
+        None
+    }
 }
 
 impl LoadFacts for ReferenceModel {
@@ -123,6 +129,11 @@ impl LoadFacts for IreeModel {
             "copied_bytes": r.imports.copied_bytes,
             "objects": r.objects,
         })
+    }
+
+    fn input_facts(&self) -> Option<Value> {
+        let s = self.device().input_stats();
+        Some(json!({ "mapped": s.mapped, "uploaded": s.uploaded }))
     }
 }
 

@@ -315,6 +315,13 @@ fn run_model<M: KvModel + LoadFacts>(
     fields.insert("cpu_share".into(), json!(cpu_share));
     fields.insert("peak_rss_reset".into(), json!(rss_reset));
     fields.insert("load".into(), model.load_facts());
+    if let Some(inputs) = model.input_facts() {
+        println!(
+            "the calls' small inputs: {} written through a host mapping, {} uploaded",
+            inputs["mapped"], inputs["uploaded"]
+        );
+        fields.insert("inputs".into(), inputs);
+    }
     if args.backend == Backend::IreeVulkan {
         // Which SPIR-V the figures are of: null is IREE's generic environment.
         fields.insert("vulkan_target".into(), json!(vulkan_target()?));
