@@ -591,6 +591,16 @@ fn global_layers(cfg: &ModelConfig) -> usize {
         .count()
 }
 
+/// Whether `body` has the attention weights of `C` query rows over `rows` keys, `heads` being
+/// `(kvh, C, g)`: `[kvh, C, g, rows]`, or (Vulkan, a few query rows) `[kvh, C, g, blocks,
+/// block]` with `blocks * block = rows`.
+fn attends_over(body: &str, (kvh, c, g): (usize, usize, usize), rows: usize) -> bool {
+    body.contains(&format!("tensor<{kvh}x{c}x{g}x{rows}xf32>"))
+        || (2..rows)
+            .filter(|b| rows.is_multiple_of(*b))
+            .any(|b| body.contains(&format!("tensor<{kvh}x{c}x{g}x{}x{b}xf32>", rows / b)))
+}
+
 /// The text of function `@name` in `mlir` (up to the next function).
 fn function_of<'a>(mlir: &'a str, name: &str) -> &'a str {
     let start = mlir
@@ -710,10 +720,11 @@ fn graphs_build_for_tiny_and_real_configs_with_the_head_sliced() {
             assert_eq!((e.chunk, e.input, e.span), (c, primary, span));
             let body = function_of(&g.mlir, &name);
             // The global layers attend over `span` rows, the sliding layers over as many of the
-            // ring's as lie within its modulus, a decode step over the modulus at most (scores
-            // `[kvh, C, g, rows]`).
-            let scores = |rows: usize| format!("tensor<{kvh}x{c}x{group}x{rows}xf32>");
-            assert!(body.contains(&scores(span)), "{name}: global scores");
+            // ring's as lie within its modulus, a decode step over the modulus at most (the
+            // weights `[kvh, C, g, rows]`, or on Vulkan `[kvh, C, g, blocks, block]` for a few
+            // query rows).
+            let attends = |body: &str, rows: usize| attends_over(body, (kvh, c, group), rows);
+            assert!(attends(body, span), "{name}: global scores");
             let sliding = ring.rows_seen(c, Some(span));
             let within = if span <= ring.modulus {
                 span
@@ -728,9 +739,9 @@ fn graphs_build_for_tiny_and_real_configs_with_the_head_sliced() {
                     within
                 }
             );
-            assert!(body.contains(&scores(sliding)), "{name}: sliding scores");
+            assert!(attends(body, sliding), "{name}: sliding scores");
             if sliding < ring.rows {
-                assert!(!body.contains(&scores(ring.rows)), "{name}: the whole ring");
+                assert!(!attends(body, ring.rows), "{name}: the whole ring");
             }
             // No branch picks a global span, nor a decode step's head.
             let ifs = body.matches("stablehlo.if").count();
@@ -754,7 +765,7 @@ fn graphs_build_for_tiny_and_real_configs_with_the_head_sliced() {
                     assert_eq!(chosen.name, format!("{name}_logits"));
                     assert_eq!(chosen.head, HeadMode::Full);
                     let twin = function_of(&g.mlir, &chosen.name);
-                    assert!(twin.contains(&scores(span)), "{name}_logits: global scores");
+                    assert!(attends(twin, span), "{name}_logits: global scores");
                     assert!(!twin.contains("stablehlo.if"), "{name}_logits");
                 } else {
                     assert_eq!(chosen.name, name, "head {head}");
@@ -768,14 +779,14 @@ fn graphs_build_for_tiny_and_real_configs_with_the_head_sliced() {
         assert_eq!(whole.name, entry_name(Input::Ids, 1));
         // Every decode step's sliding layers attend over the ring's modulus, not its rows past
         // it (the host folds a chunk's rows there back to `p % modulus`).
-        let step = |rows: usize| format!("tensor<{kvh}x1x{group}x{rows}xf32>");
         let body = function_of(&g.mlir, &whole.name);
+        let heads = (kvh, 1, group);
         assert!(
-            body.contains(&step(ring.modulus)),
+            attends_over(body, heads, ring.modulus),
             "the step's sliding scores"
         );
         assert!(
-            !body.contains(&step(ring.rows)),
+            !attends_over(body, heads, ring.rows),
             "the step over the whole ring"
         );
         let first = g.manifest.entry_for(primary, 1, 1, HEAD_SCREEN).unwrap();
@@ -1189,15 +1200,17 @@ fn own_kernels_take_the_chunk_projections_and_the_screen() {
     assert!(vulkan.objects.is_empty() && !vulkan.mlir.contains("flow.dispatch"));
 }
 
-/// Vulkan's decode step and 8-row chunk sum the attention-weighted values in blocks of 64 keys
-/// (the weights reshaped to `[kvh, C, g, blocks, 64]`, a batch dimension of the product, then a
-/// sum over the blocks); its 64-row chunk and llvm-cpu's graphs take each product whole.
+/// Vulkan's decode step and 8-row chunk attend in blocks of 32 keys: the scores come out of
+/// their product as `[kvh, blocks, C, g, 32]` (a batch dimension of blocks), the weights are
+/// `[kvh, C, g, blocks, 32]` and never the whole `[kvh, C, g, rows]`; its 64-row chunk and
+/// llvm-cpu's graphs take each product whole.
 #[test]
-fn vulkan_sums_the_weighted_values_of_few_rows_in_blocks_of_keys() {
+fn vulkan_attends_few_query_rows_in_blocks_of_keys() {
     let cfg = real_config();
     let (g, kvh) = (cfg.group_size(), cfg.num_key_value_heads);
     let capacity = cfg.context_capacity;
-    let blocked = |c: usize, rows: usize| format!("tensor<{kvh}x{c}x{g}x{}x64xf32>", rows / 64);
+    let scores = |c: usize, rows: usize| format!("tensor<{kvh}x{}x{c}x{g}x32xf32>", rows / 32);
+    let blocked = |c: usize, rows: usize| format!("tensor<{kvh}x{c}x{g}x{}x32xf32>", rows / 32);
     let whole = |c: usize, rows: usize| format!("tensor<{kvh}x{c}x{g}x{rows}xf32>");
     let vulkan = graphs::build(&cfg, &[1, 8, 64], GraphOptions::vulkan());
     let modulus = vulkan.manifest.ring.modulus;
@@ -1217,18 +1230,24 @@ fn vulkan_sums_the_weighted_values_of_few_rows_in_blocks_of_keys() {
         };
         for &rows in rows {
             assert!(
-                step.contains(&whole(c, rows)),
-                "c{c}: weights over {rows} keys"
+                step.contains(&scores(c, rows)),
+                "c{c}: scores of {rows} keys in blocks"
             );
             assert!(
                 step.contains(&blocked(c, rows)),
-                "c{c}: blocks of {rows} keys"
+                "c{c}: softmax of {rows} keys in blocks"
+            );
+            assert!(
+                !step.contains(&whole(c, rows)),
+                "c{c}: scores over {rows} keys whole"
             );
         }
         if c == 64 {
+            assert!(step.contains(&whole(c, capacity)), "c64: whole");
             assert!(!step.contains(&blocked(c, capacity)), "c64: blocks");
         }
         let cpu = function_of(&iree_code.mlir, &entry_name(Input::Ids, c));
+        assert!(cpu.contains(&whole(c, capacity)), "llvm-cpu c{c}: whole");
         assert!(
             !cpu.contains(&blocked(c, capacity)),
             "llvm-cpu c{c}: blocks"

@@ -49,18 +49,20 @@ pub struct Screen {
     pub slack: Value,
 }
 
-/// Keys a block of [`Forward::weighted_values`]'s partial sums spans at most.
-pub(super) const VALUE_BLOCK: usize = 64;
+/// Keys a block of [`Forward::attend_blocked`] spans at most. On an H100 the decode step's
+/// sliding scores took 42.9 us in blocks of 64 keys (10 workgroups) and 14.8 us in blocks of
+/// 32 (20), the step 7.9-8.3 -> 7.1-7.6 ms (docs/BENCHMARKS.md, thirty-ninth pass).
+pub(super) const KEY_BLOCK: usize = 32;
 
-/// Query rows (chunk rows x query heads of a KV head) up to which
-/// [`Forward::weighted_values`] sums in blocks of keys: the decode step's and the 8-row chunk's.
-pub(super) const VALUE_BLOCK_ROWS: usize = 32;
+/// Query rows (chunk rows x query heads of a KV head) up to which [`Forward::attend`] takes
+/// its keys in blocks: the decode step's and the 8-row chunk's.
+pub(super) const KEY_BLOCK_ROWS: usize = 32;
 
-/// The keys of each of [`Forward::weighted_values`]'s blocks for `rows` keys: the largest
-/// divisor of `rows` of at most [`VALUE_BLOCK`] keys that leaves two blocks or more, or `None`
+/// The keys of each of [`Forward::attend_blocked`]'s blocks for `rows` keys: the largest
+/// divisor of `rows` of at most [`KEY_BLOCK`] keys that leaves two blocks or more, or `None`
 /// where that is under 4 keys (too small to be worth a batch).
-pub(super) fn value_block(rows: usize) -> Option<usize> {
-    (4..=VALUE_BLOCK.min(rows / 2))
+pub(super) fn key_block(rows: usize) -> Option<usize> {
+    (4..=KEY_BLOCK.min(rows / 2))
         .rev()
         .find(|b| rows.is_multiple_of(*b))
 }
@@ -890,23 +892,36 @@ impl<'a> Forward<'a> {
     /// Scale, soft-cap, mask (`[C, K]` broadcast over heads) and softmax over the last dim, in
     /// f32 as the reference: `exp(x - max)`, then multiplied by `1 / sum`.
     fn softmax_scores(&mut self, s: &Value, mask: &Value) -> Value {
+        self.softmax_over(s, mask, &[1, 3], &[3])
+    }
+
+    /// [`Forward::softmax_scores`] of scores whose keys are the dims `keys` of `s`, under a
+    /// mask whose dims are `s`'s dims `mask_dims`.
+    fn softmax_over(
+        &mut self,
+        s: &Value,
+        mask: &Value,
+        mask_dims: &[usize],
+        keys: &[usize],
+    ) -> Value {
         let dims = s.dims().to_vec();
+        let kept: Vec<usize> = (0..dims.len()).filter(|d| !keys.contains(d)).collect();
         let scale = self.f32(self.cfg.attn_scale(), &dims);
         let mut s = self.b.mul(s, &scale);
         if let Some(cap) = self.cfg.attn_logit_softcapping {
             s = self.softcap(&s, cap as f32);
         }
-        let mask = self.b.broadcast_in_dim(mask, &dims, &[1, 3]);
+        let mask = self.b.broadcast_in_dim(mask, &dims, mask_dims);
         let masked = self.f32(MASKED, &dims);
         let s = self.b.select(&mask, &s, &masked);
-        let max = self.b.reduce(&s, Reduction::Max, &[3]);
-        let max = self.b.broadcast_in_dim(&max, &dims, &[0, 1, 2]);
+        let max = self.b.reduce(&s, Reduction::Max, keys);
+        let max = self.b.broadcast_in_dim(&max, &dims, &kept);
         let e = self.b.sub(&s, &max);
         let e = self.b.exp(&e);
-        let sum = self.b.reduce(&e, Reduction::Sum, &[3]);
+        let sum = self.b.reduce(&e, Reduction::Sum, keys);
         let one = self.f32(1.0, sum.dims());
         let inv = self.b.div(&one, &sum);
-        let inv = self.b.broadcast_in_dim(&inv, &dims, &[0, 1, 2]);
+        let inv = self.b.broadcast_in_dim(&inv, &dims, &kept);
         self.b.mul(&e, &inv)
     }
 
@@ -950,34 +965,62 @@ impl<'a> Forward<'a> {
     ///
     /// # Shapes
     /// `q`: `[C, kvh, g, hd]`; `keys`, `values`: `[rows, kvh, hd]`; returns `[kvh, C, g, hd]`.
+    ///
+    /// With [`GraphOptions::key_blocks`], where the `C x g` query rows are at most
+    /// [`KEY_BLOCK_ROWS`], the keys are taken in blocks ([`Forward::attend_blocked`]).
     fn attend(&mut self, q: &Value, keys: &Value, values: &Value, mask: &Value) -> Value {
+        let (c, g, rows) = (q.dims()[0], q.dims()[2], keys.dims()[0]);
+        let block = key_block(rows).filter(|_| self.opts.key_blocks && c * g <= KEY_BLOCK_ROWS);
+        if let Some(block) = block {
+            return self.attend_blocked(q, keys, values, mask, block);
+        }
         let s = self.scores_rows(q, keys); // [kvh, C, g, rows]
         let p = self.softmax_scores(&s, mask);
-        self.weighted_values(&p, values)
+        self.b
+            .dot_general(&p, values, &DotDims::batched(0, 1, 3, 0))
     }
 
-    /// `p . values`: the attention weights `p` (`[kvh, C, g, rows]`) times the value rows
-    /// (`[rows, kvh, hd]`), `[kvh, C, g, hd]`.
+    /// [`Forward::attend`] with the keys in blocks of `block`, a batch dimension of both
+    /// products: IREE distributes a product over its batch and output dims only, and a few query
+    /// rows against many keys ran in a couple of workgroups on an H100. The weighted values'
+    /// `[4, rows] . [rows, 256]` of the decode step took 533 us over 4096 keys and 86 us over
+    /// 640, 8.5 us in blocks (the step 10.3 -> 8.5 ms, docs/BENCHMARKS.md, thirty-seventh pass);
+    /// the sliding layers' scores `[4, 256] . [256, 640]`, in 5 workgroups, took 1.9 ms of the
+    /// step's 4.2 ms of dispatches, 14.8 us each in blocks of 32 keys (the step 9.6 -> 7.1-7.6
+    /// ms, thirty-ninth pass). The blocks' partial sums of the values are summed after: the
+    /// same terms added in another order.
     ///
-    /// With [`GraphOptions::value_blocks`], where the `C x g` query rows are at most
-    /// [`VALUE_BLOCK_ROWS`], the keys are split into blocks ([`value_block`]) that form a batch
-    /// dimension, and the blocks' partial sums are summed after: IREE distributes a product
-    /// over its batch and output dims, and the decode step's `[4, rows] . [rows, 256]` alone
-    /// ran in two workgroups on an H100: 533 us over 4096 keys, 86 us over 640, 8.5 us in
-    /// blocks; the step 10.3 -> 8.5 ms (docs/BENCHMARKS.md, thirty-seventh pass). The sums are
-    /// the same terms added in another order.
-    fn weighted_values(&mut self, p: &Value, values: &Value) -> Value {
-        let (dims, hd) = (p.dims().to_vec(), values.dims()[2]);
-        let (kvh, c, g, rows) = (dims[0], dims[1], dims[2], dims[3]);
-        let block =
-            value_block(rows).filter(|_| self.opts.value_blocks && c * g <= VALUE_BLOCK_ROWS);
-        let Some(block) = block else {
-            return self.b.dot_general(p, values, &DotDims::batched(0, 1, 3, 0));
+    /// The softmax runs on the scores transposed to `[kvh, C, g, blocks, block]`, its keys the
+    /// last two dims: softmax and mask on the product's own layout (`[kvh, blocks, C, g,
+    /// block]`, keys not adjacent, the mask transposed to match) gave wrong logits for chunks
+    /// of several rows on lavapipe.
+    fn attend_blocked(
+        &mut self,
+        q: &Value,
+        keys: &Value,
+        values: &Value,
+        mask: &Value,
+        block: usize,
+    ) -> Value {
+        let (c, kvh, g, hd) = (q.dims()[0], q.dims()[1], q.dims()[2], q.dims()[3]);
+        let blocks = keys.dims()[0] / block;
+        let q = self
+            .b
+            .broadcast_in_dim(q, &[blocks, c, kvh, g, hd], &[1, 2, 3, 4]);
+        let keys = self.b.reshape(keys, &[blocks, block, kvh, hd]);
+        // Batch (kvh, blocks), contracting the head dims: [kvh, blocks, C, g, block].
+        let dims = DotDims {
+            lhs_batch: vec![2, 0],
+            rhs_batch: vec![2, 0],
+            lhs_contract: vec![4],
+            rhs_contract: vec![3],
         };
-        let blocks = rows / block;
-        let p = self.b.reshape(p, &[kvh, c, g, blocks, block]);
+        let s = self.b.dot_general(&q, &keys, &dims);
+        let s = self.b.transpose(&s, &[0, 2, 3, 1, 4]);
+        let mask = self.b.reshape(mask, &[c, blocks, block]);
+        let p = self.softmax_over(&s, &mask, &[1, 3, 4], &[3, 4]);
         let values = self.b.reshape(values, &[blocks, block, kvh, hd]);
-        // Batch (kvh, blocks), contracting the keys of a block: [kvh, blocks, C, g, hd].
+        // Batch (kvh, blocks), contracting a block's keys: [kvh, blocks, C, g, hd].
         let dims = DotDims {
             lhs_batch: vec![0, 3],
             rhs_batch: vec![2, 0],

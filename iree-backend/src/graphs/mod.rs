@@ -154,10 +154,10 @@ pub struct GraphOptions {
     /// decode step's attention in kvsnap's kernels, this object linked into the module,
     /// instead of IREE's code ([`kernels`]). Requires [`WeightLayout::Panels`].
     pub own_kernels: Option<LinkedObject>,
-    /// Sum a chunk's attention-weighted values in blocks of keys where the chunk has few query
-    /// rows (`Forward::weighted_values`): IREE distributes such a product over its query rows
-    /// and head dims only, which on a GPU are a couple of workgroups.
-    pub value_blocks: bool,
+    /// Attend in blocks of keys where the chunk has few query rows (`Forward::attend_blocked`):
+    /// IREE distributes a product over its batch and output dims only, and a few query rows'
+    /// scores and weighted values are then a few workgroups on a GPU.
+    pub key_blocks: bool,
 }
 
 impl GraphOptions {
@@ -170,12 +170,12 @@ impl GraphOptions {
             screen: true,
             input: Input::Ids,
             own_kernels: kernels::kernel_object(),
-            value_blocks: false,
+            key_blocks: false,
         }
     }
 
-    /// What Vulkan runs best: HF matrices, no branches, the full head, values summed in
-    /// blocks of keys.
+    /// What Vulkan runs best: HF matrices, no branches, the full head, few query rows'
+    /// attention in blocks of keys.
     pub fn vulkan() -> Self {
         GraphOptions {
             layout: WeightLayout::Rows,
@@ -183,7 +183,7 @@ impl GraphOptions {
             screen: false,
             input: Input::Embeddings,
             own_kernels: None,
-            value_blocks: true,
+            key_blocks: true,
         }
     }
 
@@ -222,7 +222,7 @@ impl GraphOptions {
     /// holds the call ([`Manifest::entry_for`]), so no predicate is read back and no branch is
     /// taken: Vulkan, whose graphs do not branch, has them too. There a step at the catalog's
     /// length reads a quarter of the global layers' keys and values; on an H100, where the
-    /// blocked value sums ([`GraphOptions::value_blocks`]) had already made that attention
+    /// blocked value sums ([`GraphOptions::key_blocks`]) had already made that attention
     /// cheap, the step took the same time either way (8.6 / 8.5 ms, docs/BENCHMARKS.md,
     /// thirty-seventh pass): a GPU of less bandwidth is where the span should tell.
     ///
