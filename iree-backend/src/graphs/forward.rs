@@ -51,7 +51,8 @@ pub struct Screen {
 
 /// Keys a block of [`Forward::attend_blocked`] spans at most. On an H100 the decode step's
 /// sliding scores took 42.9 us in blocks of 64 keys (10 workgroups) and 14.8 us in blocks of
-/// 32 (20), the step 7.9-8.3 -> 7.1-7.6 ms (docs/BENCHMARKS.md, thirty-ninth pass).
+/// 32 (20), the step 7.9-8.3 -> 7.1-7.6 ms; in blocks of 16 (40) 13.2 us, the step within the
+/// runs' spread (docs/BENCHMARKS.md, thirty-ninth pass).
 pub(super) const KEY_BLOCK: usize = 32;
 
 /// Query rows (chunk rows x query heads of a KV head) up to which [`Forward::attend`] takes
