@@ -1200,57 +1200,60 @@ fn own_kernels_take_the_chunk_projections_and_the_screen() {
     assert!(vulkan.objects.is_empty() && !vulkan.mlir.contains("flow.dispatch"));
 }
 
-/// Vulkan's decode step and 8-row chunk attend in blocks of 32 keys: the scores come out of
-/// their product as `[kvh, blocks, C, g, 32]` (a batch dimension of blocks), the weights are
-/// `[kvh, C, g, blocks, 32]` and never the whole `[kvh, C, g, rows]`; its 64-row chunk and
-/// llvm-cpu's graphs take each product whole.
+/// Vulkan's decode step and its chunks of up to 24 rows attend with the keys as the scores'
+/// output rows (`[kvh, rows, C, g]`), their weights `[kvh, C, g, blocks, 32]` and the weighted
+/// values' partial sums `[kvh, blocks, C, g, hd]`; its 32-row chunk (128 query rows a KV head)
+/// and llvm-cpu's graphs take each product whole.
 #[test]
 fn vulkan_attends_few_query_rows_in_blocks_of_keys() {
     let cfg = real_config();
-    let (g, kvh) = (cfg.group_size(), cfg.num_key_value_heads);
+    let (g, kvh, hd) = (cfg.group_size(), cfg.num_key_value_heads, cfg.head_dim);
     let capacity = cfg.context_capacity;
-    let scores = |c: usize, rows: usize| format!("tensor<{kvh}x{}x{c}x{g}x32xf32>", rows / 32);
+    let scores = |c: usize, rows: usize| format!("tensor<{kvh}x{rows}x{c}x{g}xf32>");
     let blocked = |c: usize, rows: usize| format!("tensor<{kvh}x{c}x{g}x{}x32xf32>", rows / 32);
+    let parts = |c: usize, rows: usize| format!("tensor<{kvh}x{}x{c}x{g}x{hd}xf32>", rows / 32);
     let whole = |c: usize, rows: usize| format!("tensor<{kvh}x{c}x{g}x{rows}xf32>");
-    let vulkan = graphs::build(&cfg, &[1, 8, 64], GraphOptions::vulkan());
+    let chunks = [1, 8, 24, 32];
+    let vulkan = graphs::build(&cfg, &chunks, GraphOptions::vulkan());
     let modulus = vulkan.manifest.ring.modulus;
     let llvm_cpu = GraphOptions {
         own_kernels: None,
         ..GraphOptions::llvm_cpu()
     };
-    let iree_code = graphs::build(&cfg, &[1, 8, 64], llvm_cpu);
-    for c in [1, 8, 64] {
+    let iree_code = graphs::build(&cfg, &chunks, llvm_cpu);
+    for c in chunks {
         let step = function_of(&vulkan.mlir, &entry_name(Input::Embeddings, c));
         // The global layers over the whole capacity; a decode step's sliding layers over the
         // ring's modulus.
         let rows: &[usize] = match c {
             1 => &[capacity, modulus],
-            8 => &[capacity],
+            8 | 24 => &[capacity],
             _ => &[],
         };
         for &rows in rows {
             assert!(
                 step.contains(&scores(c, rows)),
-                "c{c}: scores of {rows} keys in blocks"
+                "c{c}: scores of {rows} keys, keys first"
             );
             assert!(
                 step.contains(&blocked(c, rows)),
                 "c{c}: softmax of {rows} keys in blocks"
             );
             assert!(
-                !step.contains(&whole(c, rows)),
-                "c{c}: scores over {rows} keys whole"
+                step.contains(&parts(c, rows)),
+                "c{c}: weighted values of {rows} keys in blocks"
             );
         }
-        if c == 64 {
-            assert!(step.contains(&whole(c, capacity)), "c64: whole");
-            assert!(!step.contains(&blocked(c, capacity)), "c64: blocks");
+        if c == 32 {
+            assert!(step.contains(&whole(c, capacity)), "c32: whole");
+            assert!(!step.contains(&scores(c, capacity)), "c32: keys first");
+            assert!(!step.contains(&blocked(c, capacity)), "c32: blocks");
         }
         let cpu = function_of(&iree_code.mlir, &entry_name(Input::Ids, c));
         assert!(cpu.contains(&whole(c, capacity)), "llvm-cpu c{c}: whole");
         assert!(
-            !cpu.contains(&blocked(c, capacity)),
-            "llvm-cpu c{c}: blocks"
+            !cpu.contains(&scores(c, capacity)) && !cpu.contains(&blocked(c, capacity)),
+            "llvm-cpu c{c}: keys first or blocks"
         );
     }
 }

@@ -49,15 +49,17 @@ pub struct Screen {
     pub slack: Value,
 }
 
-/// Keys a block of [`Forward::attend_blocked`] spans at most. On an H100 the decode step's
-/// sliding scores took 42.9 us in blocks of 64 keys (10 workgroups) and 14.8 us in blocks of
-/// 32 (20), the step 7.9-8.3 -> 7.1-7.6 ms; in blocks of 16 (40) 13.2 us, the step within the
-/// runs' spread (docs/BENCHMARKS.md, thirty-ninth pass).
+/// Keys a block of [`Forward::attend_blocked`] spans at most: its softmax and weighted values
+/// run in blocks of this many keys. On an H100 blocks of 32 and of 64 gave the same decode step
+/// (7.0-7.4 and 7.1-7.2 ms, docs/BENCHMARKS.md, fortieth pass); when the scores were blocked
+/// too, 32 had beaten 64 (thirty-ninth pass).
 pub(super) const KEY_BLOCK: usize = 32;
 
 /// Query rows (chunk rows x query heads of a KV head) up to which [`Forward::attend`] takes
-/// its keys in blocks: the decode step's and the 8-row chunk's.
-pub(super) const KEY_BLOCK_ROWS: usize = 32;
+/// its keys in blocks: the decode step's and the chunks' of up to 24 rows (the catalog's
+/// extend runs as one 24-row call: on an H200 its dispatches took 4.2 ms a call in blocks,
+/// 4.8 ms whole, fortieth pass).
+pub(super) const KEY_BLOCK_ROWS: usize = 96;
 
 /// The keys of each of [`Forward::attend_blocked`]'s blocks for `rows` keys: the largest
 /// divisor of `rows` of at most [`KEY_BLOCK`] keys that leaves two blocks or more, or `None`
@@ -981,20 +983,26 @@ impl<'a> Forward<'a> {
             .dot_general(&p, values, &DotDims::batched(0, 1, 3, 0))
     }
 
-    /// [`Forward::attend`] with the keys in blocks of `block`, a batch dimension of both
-    /// products: IREE distributes a product over its batch and output dims only, and a few query
-    /// rows against many keys ran in a couple of workgroups on an H100. The weighted values'
-    /// `[4, rows] . [rows, 256]` of the decode step took 533 us over 4096 keys and 86 us over
-    /// 640, 8.5 us in blocks (the step 10.3 -> 8.5 ms, docs/BENCHMARKS.md, thirty-seventh pass);
-    /// the sliding layers' scores `[4, 256] . [256, 640]`, in 5 workgroups, took 1.9 ms of the
-    /// step's 4.2 ms of dispatches, 14.8 us each in blocks of 32 keys (the step 9.6 -> 7.1-7.6
-    /// ms, thirty-ninth pass). The blocks' partial sums of the values are summed after: the
-    /// same terms added in another order.
+    /// [`Forward::attend`] for a few query rows against many keys, which IREE's SPIR-V code ran
+    /// in a couple of workgroups on an H100 (it distributes a product over its batch and output
+    /// dims only).
     ///
-    /// The softmax runs on the scores transposed to `[kvh, C, g, blocks, block]`, its keys the
-    /// last two dims: softmax and mask on the product's own layout (`[kvh, blocks, C, g,
-    /// block]`, keys not adjacent, the mask transposed to match) gave wrong logits for chunks
-    /// of several rows on lavapipe.
+    /// - The scores come from the keys as the product's left side, `[rows, hd] . [hd, C g]`
+    ///   batched over the KV heads: the keys are its output rows, so the product spreads over
+    ///   them. The sliding layers' decode-step scores `[4, 256] . [256, 640]` took 125 us in 5
+    ///   workgroups (thirty-seventh pass), 14.8 us with the keys in blocks of 32 as a batch
+    ///   dimension (thirty-ninth), 5.2 us this way in 2560 workgroups, with 18 dispatches a
+    ///   step fewer (the step 7.4-7.9 -> 6.7-7.4 ms on an H100 and an H200, docs/BENCHMARKS.md,
+    ///   fortieth pass).
+    /// - The weighted values take the keys in blocks of `block`, a batch dimension: the decode
+    ///   step's `[4, rows] . [rows, 256]` took 533 us over 4096 keys and 86 us over 640, 8.5
+    ///   us in blocks (thirty-seventh pass). The blocks' partial sums are summed after: the
+    ///   same terms added in another order.
+    ///
+    /// The softmax runs on the scores reshaped to `[kvh, C, g, blocks, block]`, its keys the
+    /// last two dims: softmax and mask over key dims that are not adjacent (`[kvh, blocks, C,
+    /// g, block]`, the mask transposed to match) gave wrong logits for chunks of several rows
+    /// on lavapipe.
     fn attend_blocked(
         &mut self,
         q: &Value,
@@ -1004,20 +1012,12 @@ impl<'a> Forward<'a> {
         block: usize,
     ) -> Value {
         let (c, kvh, g, hd) = (q.dims()[0], q.dims()[1], q.dims()[2], q.dims()[3]);
-        let blocks = keys.dims()[0] / block;
-        let q = self
-            .b
-            .broadcast_in_dim(q, &[blocks, c, kvh, g, hd], &[1, 2, 3, 4]);
-        let keys = self.b.reshape(keys, &[blocks, block, kvh, hd]);
-        // Batch (kvh, blocks), contracting the head dims: [kvh, blocks, C, g, block].
-        let dims = DotDims {
-            lhs_batch: vec![2, 0],
-            rhs_batch: vec![2, 0],
-            lhs_contract: vec![4],
-            rhs_contract: vec![3],
-        };
-        let s = self.b.dot_general(&q, &keys, &dims);
-        let s = self.b.transpose(&s, &[0, 2, 3, 1, 4]);
+        let rows = keys.dims()[0];
+        let blocks = rows / block;
+        // Batch kvh, contracting the head dims: [kvh, rows, C, g], then [kvh, C, g, rows].
+        let s = self.b.dot_general(keys, q, &DotDims::batched(1, 1, 2, 3));
+        let s = self.b.transpose(&s, &[0, 2, 3, 1]);
+        let s = self.b.reshape(&s, &[kvh, c, g, blocks, block]);
         let mask = self.b.reshape(mask, &[c, blocks, block]);
         let p = self.softmax_over(&s, &mask, &[1, 3, 4], &[3, 4]);
         let values = self.b.reshape(values, &[blocks, block, kvh, hd]);

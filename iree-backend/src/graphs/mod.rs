@@ -154,9 +154,10 @@ pub struct GraphOptions {
     /// decode step's attention in kvsnap's kernels, this object linked into the module,
     /// instead of IREE's code ([`kernels`]). Requires [`WeightLayout::Panels`].
     pub own_kernels: Option<LinkedObject>,
-    /// Attend in blocks of keys where the chunk has few query rows (`Forward::attend_blocked`):
-    /// IREE distributes a product over its batch and output dims only, and a few query rows'
-    /// scores and weighted values are then a few workgroups on a GPU.
+    /// Where the chunk has few query rows, take the scores with the keys as the product's
+    /// output rows and the weighted values in blocks of keys (`Forward::attend_blocked`): IREE
+    /// distributes a product over its batch and output dims only, and a few query rows'
+    /// scores and weighted values are otherwise a few workgroups on a GPU.
     pub key_blocks: bool,
 }
 
