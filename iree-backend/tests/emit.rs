@@ -1004,9 +1004,10 @@ fn tiny_module_compiles() {
 
 #[test]
 fn prefill_products_deeper_than_640_are_split_into_blocks() {
-    // Per layer of a chunk function: q, k, v and gate, up (640 deep) one `mmt4d` each (the
-    // stacked arguments one per part), o (1024) two, down (2048) four; a one-row chunk has
-    // none (its products are matvecs, one per stack).
+    // Per layer of a chunk function: q and k together (their heads are normed and rotated
+    // together), v, gate and up (640 deep) one `mmt4d` each (the stacked arguments one per
+    // part), o (1024) two, down (2048) four; a one-row chunk has none (its products are
+    // matvecs, one per stack).
     let cfg = real_config();
     let iree_products = GraphOptions {
         own_kernels: None,
@@ -1022,9 +1023,9 @@ fn prefill_products_deeper_than_640_are_split_into_blocks() {
         .filter(|e| e.chunk == 64)
         .count();
     assert_eq!(chunks, 2 + 3);
-    assert_eq!(count, chunks * cfg.num_layers() * (5 + 2 + 4));
-    // Each part's `mmt4d` reads its panels of the stack: q's 32, k's and v's 8 each.
-    for panels in [32, 8] {
+    assert_eq!(count, chunks * cfg.num_layers() * (4 + 2 + 4));
+    // Each part's `mmt4d` reads its panels of the stack: q's and k's 40, v's 8.
+    for panels in [40, 8] {
         assert!(
             g.mlir.contains(&format!("tensor<{panels}x640x32x1xf32>")),
             "{panels} panels"
@@ -1076,7 +1077,7 @@ fn own_kernels_take_the_chunk_projections_and_the_screen() {
         .count();
     assert_eq!(dispatches, entry_points(64) * layers * 4);
     let mmt4ds = g.mlir.matches("\"linalg.mmt4d\"").count();
-    assert_eq!(mmt4ds, entry_points(12) * layers * (5 + 2 + 4));
+    assert_eq!(mmt4ds, entry_points(12) * layers * (4 + 2 + 4));
     // A 64-row chunk's q, k and v: 8 tiles of 8 rows against 48 panels, 16 workgroups; its
     // down product over the whole 2048-deep panels.
     assert!(g.mlir.contains(

@@ -438,9 +438,21 @@ impl<'a> Forward<'a> {
     fn rms_norm(&mut self, x: &Value, w: &Value) -> Value {
         let dims = x.dims().to_vec();
         let dim = dims.len() - 1;
-        let n = dims[dim];
+        let inv = self.inv_rms(x, &[dim]);
+        let one_w = self.f32(1.0, &[dims[dim]]);
+        let scale = self.b.add(&one_w, w);
+        let scale = self.b.broadcast_in_dim(&scale, &dims, &[dim]);
+        let y = self.b.mul(x, &inv);
+        self.b.mul(&y, &scale)
+    }
+
+    /// [`Forward::rms_norm`]'s `1 / sqrt(mean(x^2) + eps)` over the dims `over` of `x`,
+    /// broadcast back to the dims of `x`.
+    fn inv_rms(&mut self, x: &Value, over: &[usize]) -> Value {
+        let dims = x.dims().to_vec();
+        let n: usize = over.iter().map(|&d| dims[d]).product();
         let sq = self.b.mul(x, x);
-        let sum = self.b.reduce(&sq, Reduction::Sum, &[dim]);
+        let sum = self.b.reduce(&sq, Reduction::Sum, over);
         let rest = sum.dims().to_vec();
         let count = self.f32(n as f32, &rest);
         let mean = self.b.div(&sum, &count);
@@ -449,34 +461,51 @@ impl<'a> Forward<'a> {
         let root = self.b.sqrt(&var);
         let one = self.f32(1.0, &rest);
         let inv = self.b.div(&one, &root);
-        let keep: Vec<usize> = (0..dims.len()).filter(|&d| d != dim).collect();
-        let inv = self.b.broadcast_in_dim(&inv, &dims, &keep);
-        let one_w = self.f32(1.0, &[n]);
-        let scale = self.b.add(&one_w, w);
-        let scale = self.b.broadcast_in_dim(&scale, &dims, &[dim]);
-        let y = self.b.mul(x, &inv);
-        self.b.mul(&y, &scale)
+        let keep: Vec<usize> = (0..dims.len()).filter(|d| !over.contains(d)).collect();
+        self.b.broadcast_in_dim(&inv, &dims, &keep)
     }
 
-    /// Rotate-half RoPE over the last dim (head_dim) of `x`, whose first dim is the chunk's `C`:
-    /// with `x = [x1, x2]` halves, `[x1 cos - x2 sin, x2 cos + x1 sin]`, written as
-    /// `x * [cos, cos] + [x2, x1] * [-sin, sin]` (bit for bit the same: `a - b` is `a + (-b)`)
-    /// so that it is one elementwise expression with a reverse, which IREE fuses into one
-    /// dispatch where slices and a concatenation took four.
-    fn rope(&mut self, x: &Value, t: &RopeTables) -> Value {
+    /// A chunk's query and key heads, `x` `[C, heads + kvh, hd]` (the first `heads` the
+    /// queries'), each normed as [`Forward::rms_norm`] (by `q_norm` or `k_norm`) and rotated by
+    /// rotate-half RoPE: with `x = [x1, x2]` halves, `[x1 cos - x2 sin, x2 cos + x1 sin]`,
+    /// written as `x * [cos, cos] + [x2, x1] * [-sin, sin]` (bit for bit the same: `a - b` is
+    /// `a + (-b)`).
+    ///
+    /// All of it runs on `[C, heads + kvh, 2, hd / 2]`, the halves a dimension of their own
+    /// and each head's weights chosen by a select, so that IREE makes it one reduction and one
+    /// elementwise dispatch for both kinds of head: the queries and the keys normed, then
+    /// rotated, each in its own shape, took six dispatches a layer (Gemma 3 270M's Vulkan
+    /// decode step 374 -> 302 dispatches, docs/BENCHMARKS.md, fortieth pass). RoPE as one
+    /// expression with a reverse had already replaced slices and a concatenation (four
+    /// dispatches).
+    fn norm_rotate_heads(
+        &mut self,
+        x: &Value,
+        (q_norm, k_norm): (&Value, &Value),
+        heads: usize,
+        t: &RopeTables,
+    ) -> Value {
         let dims = x.dims().to_vec();
-        let rank = dims.len();
-        let half = dims[rank - 1] / 2;
-        let mut split = dims.clone();
-        split[rank - 1] = 2;
-        split.push(half);
-        let xs = self.b.reshape(x, &split); // [C, ..., 2, hd / 2]
-        let swapped = self.b.reverse(&xs, &[rank - 1]);
-        let cos = self.b.broadcast_in_dim(&t.cos, &split, &[0, rank]);
-        let sin = self
-            .b
-            .broadcast_in_dim(&t.sin, &split, &[0, rank - 1, rank]);
-        let a = self.b.mul(&xs, &cos);
+        let half = dims[2] / 2;
+        let split = [dims[0], dims[1], 2, half];
+        let xs = self.b.reshape(x, &split);
+        let inv = self.inv_rms(&xs, &[2, 3]);
+        let one = self.f32(1.0, &[dims[2]]);
+        let [q_scale, k_scale] = [q_norm, k_norm].map(|w| {
+            let scale = self.b.add(&one, w);
+            let scale = self.b.reshape(&scale, &[2, half]);
+            self.b.broadcast_in_dim(&scale, &split, &[2, 3])
+        });
+        let head = self.b.iota(&split, 1);
+        let queries = self.i32(heads as i32, &split);
+        let is_query = self.b.compare(Cmp::Lt, &head, &queries);
+        let scale = self.b.select(&is_query, &q_scale, &k_scale);
+        let y = self.b.mul(&xs, &inv);
+        let y = self.b.mul(&y, &scale);
+        let swapped = self.b.reverse(&y, &[2]);
+        let cos = self.b.broadcast_in_dim(&t.cos, &split, &[0, 3]);
+        let sin = self.b.broadcast_in_dim(&t.sin, &split, &[0, 2, 3]);
+        let a = self.b.mul(&y, &cos);
         let b = self.b.mul(&swapped, &sin);
         let y = self.b.add(&a, &b);
         self.b.reshape(&y, &dims)
@@ -732,20 +761,19 @@ impl<'a> Forward<'a> {
         let cfg = self.cfg;
         let (c, hd, kvh) = (ch.c, cfg.head_dim, cfg.num_key_value_heads);
         let g = cfg.group_size();
-        let outs = [cfg.num_attention_heads * hd, kvh * hd, kvh * hd];
-        let [q, k, v] = self.linear_stack(&w.qkv_proj, x, outs);
-        let q = self.b.reshape(&q, &[c, kvh, g, hd]);
-        let k = self.b.reshape(&k, &[c, kvh, hd]);
+        let heads = cfg.num_attention_heads;
+        let [qk, v] = self.linear_stack(&w.qkv_proj, x, [(heads + kvh) * hd, kvh * hd]);
         let v = self.b.reshape(&v, &[c, kvh, hd]);
-        let q = self.rms_norm(&q, &w.q_norm);
-        let k = self.rms_norm(&k, &w.k_norm);
         let kind = cfg.layer_kinds[layer];
         let tables = match kind {
             LayerKind::Sliding => &ch.rope_local,
             LayerKind::Global => &ch.rope_global,
         };
-        let q = self.rope(&q, tables);
-        let k = self.rope(&k, tables);
+        let qk = self.b.reshape(&qk, &[c, heads + kvh, hd]);
+        let qk = self.norm_rotate_heads(&qk, (&w.q_norm, &w.k_norm), heads, tables);
+        let q = self.b.slice(&qk, &[0, 0, 0], &[c, heads, hd]);
+        let q = self.b.reshape(&q, &[c, kvh, g, hd]);
+        let k = self.b.slice(&qk, &[0, heads, 0], &[c, heads + kvh, hd]);
         // Padding rows are zeroed, so that whatever they computed never reaches a cache.
         let k = self.zero_padding(&k, ch);
         let v = self.zero_padding(&v, ch);
