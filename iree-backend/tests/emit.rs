@@ -1307,3 +1307,30 @@ fn the_tuning_spec_tiles_each_attention_product_in_whole_row_tiles() {
         assert!(matcher.contains(&tile), "{matcher}");
     }
 }
+
+/// Every layer norms and rotates its query and key heads together, as one `[C, heads + kvh,
+/// 2, hd / 2]` tensor with one reverse (RoPE's halves swapped), on both targets: two
+/// dispatches a layer on Vulkan where the queries and keys apart took six.
+#[test]
+fn query_and_key_heads_are_normed_and_rotated_together() {
+    let cfg = real_config();
+    let heads = cfg.num_attention_heads + cfg.num_key_value_heads;
+    let half = cfg.head_dim / 2;
+    let llvm_cpu = GraphOptions {
+        own_kernels: None,
+        ..GraphOptions::llvm_cpu()
+    };
+    for opts in [GraphOptions::vulkan(), llvm_cpu] {
+        let g = graphs::build(&cfg, &[1, 8], opts);
+        for c in [1, 8] {
+            let f = function_of(&g.mlir, &entry_name(opts.input, c));
+            let joint = format!("tensor<{c}x{heads}x2x{half}xf32>");
+            assert!(f.contains(&joint), "c{c}: no {joint}");
+            assert_eq!(
+                f.matches("\"stablehlo.reverse\"").count(),
+                cfg.num_layers(),
+                "c{c}: one reverse a layer"
+            );
+        }
+    }
+}
