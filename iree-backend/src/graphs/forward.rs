@@ -1020,7 +1020,7 @@ impl<'a> Forward<'a> {
     ///   them. The sliding layers' decode-step scores `[4, 256] . [256, 640]` took 125 us in 5
     ///   workgroups (thirty-seventh pass), 14.8 us with the keys in blocks of 32 as a batch
     ///   dimension (thirty-ninth), 5.2 us this way in 2560 workgroups, with 18 dispatches a
-    ///   step fewer (the step 7.4-7.9 -> 6.7-7.4 ms on an H100 and an H200, docs/BENCHMARKS.md,
+    ///   step fewer (the step 7.2-7.9 -> 6.7-7.4 ms on an H100 and an H200, docs/BENCHMARKS.md,
     ///   fortieth pass).
     /// - The weighted values take the keys in blocks of `block`, a batch dimension: the decode
     ///   step's `[4, rows] . [rows, 256]` took 533 us over 4096 keys and 86 us over 640, 8.5
