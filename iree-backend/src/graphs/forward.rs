@@ -762,7 +762,7 @@ impl<'a> Forward<'a> {
         let (c, hd, kvh) = (ch.c, cfg.head_dim, cfg.num_key_value_heads);
         let g = cfg.group_size();
         let heads = cfg.num_attention_heads;
-        let [qk, v] = self.linear_stack(&w.qkv_proj, x, [(heads + kvh) * hd, kvh * hd]);
+        let (qk, v) = self.qk_and_v(&w.qkv_proj, x, [heads * hd, kvh * hd, kvh * hd]);
         let v = self.b.reshape(&v, &[c, kvh, hd]);
         let kind = cfg.layer_kinds[layer];
         let tables = match kind {
@@ -812,6 +812,20 @@ impl<'a> Forward<'a> {
         let o = self.b.transpose(&o, &[1, 0, 2, 3]);
         let o = self.b.reshape(&o, &[c, kvh * g * hd]);
         (self.linear(&w.o_proj, &o, cfg.hidden_size), k_buf, v_buf)
+    }
+
+    /// The q, k and v stack's product (`outs` its parts' rows) as the query and key heads
+    /// together, `[C, q + k rows]`, and the values: one part of the stack where the queries'
+    /// rows end where the keys' begin (always in `Rows`; in `Panels` where the queries fill
+    /// whole panels, as Gemma 3's do), else the three parts, q and k concatenated.
+    fn qk_and_v(&mut self, w: &Value, x: &Value, outs: [usize; 3]) -> (Value, Value) {
+        if self.opts.layout.stack_offsets(&outs)[1] == outs[0] {
+            let [qk, v] = self.linear_stack(w, x, [outs[0] + outs[1], outs[2]]);
+            (qk, v)
+        } else {
+            let [q, k, v] = self.linear_stack(w, x, outs);
+            (self.b.concatenate(&[&q, &k], 1), v)
+        }
     }
 
     /// Whether a `c`-row chunk's attention runs in kvsnap's kernels ([`Forward::object_attend`]):
