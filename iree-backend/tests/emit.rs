@@ -276,7 +276,7 @@ fn indexing_ops() {
          %7 = \"stablehlo.scatter\"(%0, %3, %2) ({\n\
          ^bb0(%8: tensor<f32>, %9: tensor<f32>):\n\
          \"stablehlo.return\"(%9) : (tensor<f32>) -> ()\n\
-         }) {scatter_dimension_numbers = #stablehlo.scatter<update_window_dims = [1, 2], inserted_window_dims = [0], scatter_dims_to_operand_dims = [0], index_vector_dim = 1>, indices_are_sorted = false, unique_indices = false} : (tensor<6x2x4xf32>, tensor<3x1xi32>, tensor<3x2x4xf32>) -> tensor<6x2x4xf32>"
+         }) {scatter_dimension_numbers = #stablehlo.scatter<update_window_dims = [1, 2], inserted_window_dims = [0], scatter_dims_to_operand_dims = [0], index_vector_dim = 1>, indices_are_sorted = true, unique_indices = true} : (tensor<6x2x4xf32>, tensor<3x1xi32>, tensor<3x2x4xf32>) -> tensor<6x2x4xf32>"
     );
 }
 
@@ -1256,6 +1256,35 @@ fn vulkan_attends_few_query_rows_in_blocks_of_keys() {
             !cpu.contains(&scores(c, capacity)) && !cpu.contains(&blocked(c, capacity)),
             "llvm-cpu c{c}: keys first or blocks"
         );
+    }
+}
+
+#[test]
+fn vulkan_command_buffers_are_recorded_once() {
+    // With the rows written and read at indices computed on the device no command buffer
+    // captures a value of the call, so IREE records each entry point's once and replays it
+    // with each call's buffers (`hal.device.queue.execute.indirect`); with the rows at
+    // offsets from the host scalars every call records its own, one dispatch at a time.
+    let cfg = config(Preset::Tiny);
+    for device_rows in [true, false] {
+        let opts = GraphOptions {
+            device_rows,
+            ..GraphOptions::vulkan()
+        };
+        let g = graphs::build(&cfg, &[1, 8], opts);
+        let Some(hal) = run_compiler(&g.mlir, &g.objects, "hal", &["--compile-to=hal"]) else {
+            return;
+        };
+        let hal = String::from_utf8(hal).unwrap();
+        let entries = g.manifest.entry_points.len();
+        let one_shot = hal.matches("mode(OneShot)").count();
+        let replayed = hal.matches("hal.device.queue.execute.indirect").count();
+        let expected = if device_rows {
+            (0, entries)
+        } else {
+            (entries, 0)
+        };
+        assert_eq!((one_shot, replayed), expected, "device_rows {device_rows}");
     }
 }
 

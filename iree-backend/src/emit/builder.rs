@@ -1108,8 +1108,10 @@ impl FuncBuilder {
     }
 
     /// Emits `stablehlo.scatter` of whole rows that replaces `x[indices[i], ...]` with
-    /// `updates[i, ...]`. Duplicate indices must carry equal rows (the update order is not
-    /// specified).
+    /// `updates[i, ...]`. The indices must be increasing (so distinct) and within `x`: the
+    /// scatter is declared sorted and unique, without which IREE's SPIR-V code runs it in a
+    /// single thread that also copies all of `x`, and IREE's llvm-cpu code does not check
+    /// the bounds.
     ///
     /// # Shapes
     /// `x`: `[n, d...]`, `indices`: `[c, 1]` i32, `updates`: `[c, d...]`; returns `[n, d...]`.
@@ -1137,7 +1139,7 @@ impl FuncBuilder {
         let window: Vec<usize> = (1..rank).collect();
         writeln!(
             self.body,
-            "    {r} = \"stablehlo.scatter\"({x}, {indices}, {updates}) ({{\n    ^bb0({old}: {scalar}, {new}: {scalar}):\n      \"stablehlo.return\"({new}) : ({scalar}) -> ()\n    }}) {{scatter_dimension_numbers = #stablehlo.scatter<update_window_dims = [{}], inserted_window_dims = [0], scatter_dims_to_operand_dims = [0], index_vector_dim = 1>, indices_are_sorted = false, unique_indices = false}} : ({}, {}, {}) -> {}",
+            "    {r} = \"stablehlo.scatter\"({x}, {indices}, {updates}) ({{\n    ^bb0({old}: {scalar}, {new}: {scalar}):\n      \"stablehlo.return\"({new}) : ({scalar}) -> ()\n    }}) {{scatter_dimension_numbers = #stablehlo.scatter<update_window_dims = [{}], inserted_window_dims = [0], scatter_dims_to_operand_dims = [0], index_vector_dim = 1>, indices_are_sorted = true, unique_indices = true}} : ({}, {}, {}) -> {}",
             list(&window),
             x.ty,
             indices.ty,

@@ -144,7 +144,8 @@ pub(super) struct Chunk {
     /// `pos0` and `valid` by value: what indices and branch predicates derive from.
     pos0_host: Scalar,
     valid_host: Scalar,
-    /// Where the global layers write: `pos0`, from the host scalar.
+    /// Where the global layers write: `pos0` (from the host scalar unless
+    /// [`GraphOptions::device_rows`]).
     global_start: Value,
     rope_local: RopeTables,
     rope_global: RopeTables,
@@ -158,6 +159,8 @@ pub(super) struct Chunk {
     sliding_mask: Value,
     /// Position of each query row: `[C]` i32.
     qpos: Value,
+    /// The chunk's valid rows: `[]` i32.
+    valid: Value,
     /// First position after the chunk's valid rows: `[]` i32.
     end: Value,
     /// The sliding rows' positions after the chunk's write (`p + 1`, 0 for an empty row):
@@ -539,16 +542,19 @@ impl<'a> Forward<'a> {
         let row_valid = self.b.compare(Cmp::Lt, &iota_c, &valid_c);
 
         // Sliding rows: write p + 1 (0 for padding) at pos0 % modulus, then read positions.
-        let modulus = self.b.scalar_i32(ring.modulus as i32);
-        let ring_start = self.b.scalar_rem(&pos0_host, &modulus);
-        let ring_start = self.b.tensor_of(&ring_start);
+        let (ring_start, global_start) = if self.opts.device_rows {
+            let modulus = self.i32(ring.modulus as i32, &[]);
+            (self.b.remainder(&pos0, &modulus), pos0.clone())
+        } else {
+            let modulus = self.b.scalar_i32(ring.modulus as i32);
+            let ring_start = self.b.scalar_rem(&pos0_host, &modulus);
+            (self.b.tensor_of(&ring_start), self.b.tensor_of(&pos0_host))
+        };
         let one = self.i32(1, &[c]);
         let stored = self.b.add(&qpos, &one);
         let empty = self.i32(0, &[c]);
         let stored = self.b.select(&row_valid, &stored, &empty);
-        let positions = self
-            .b
-            .dynamic_update_slice(positions, &stored, &[&ring_start]);
+        let positions = self.write_at(positions, &stored, &ring_start);
         let sliding_rows = ring.rows_seen(c, self.span);
         let seen = if sliding_rows < ring.rows {
             self.b.slice(&positions, &[0], &[sliding_rows])
@@ -562,7 +568,6 @@ impl<'a> Forward<'a> {
         let rope_local = self.rope_tables(&qpos, cfg.rope_theta_local, 1.0);
         let rope_global =
             self.rope_tables(&qpos, cfg.rope_theta_global, cfg.rope_linear_factor_global);
-        let global_start = self.b.tensor_of(&pos0_host);
         let first = self.b.slice(&qpos, &[0], &[1]);
         let end_1 = self.b.reshape(&end, &[1]);
         let bounds = self.b.concatenate(&[&first, &end_1], 0);
@@ -577,6 +582,7 @@ impl<'a> Forward<'a> {
             sliding_rows,
             sliding_mask,
             qpos,
+            valid,
             end,
             positions: positions.clone(),
             bounds,
@@ -996,14 +1002,28 @@ impl<'a> Forward<'a> {
         v_buf: &Value,
         start: &Value,
     ) -> (Value, Value) {
-        let zero = self.i32(0, &[]);
-        let k_buf = self
-            .b
-            .dynamic_update_slice(k_buf, k, &[start, &zero, &zero]);
-        let v_buf = self
-            .b
-            .dynamic_update_slice(v_buf, v, &[start, &zero, &zero]);
+        let k_buf = self.write_at(k_buf, k, start);
+        let v_buf = self.write_at(v_buf, v, start);
         (k_buf, v_buf)
+    }
+
+    /// `x` with its rows `start..start + C` replaced by `rows` (`[C, d...]`; `start` a `[]`
+    /// i32): a `dynamic_update_slice`, or with [`GraphOptions::device_rows`] a scatter at
+    /// indices computed on the device. The rows stay within `x` either way: the ring has
+    /// the largest chunk's rows past its modulus, and a call's padding never runs past the
+    /// capacity (`plan_chunks`).
+    fn write_at(&mut self, x: &Value, rows: &Value, start: &Value) -> Value {
+        if self.opts.device_rows {
+            let c = rows.dims()[0];
+            let iota = self.b.iota(&[c, 1], 0);
+            let start = self.splat(start, &[c, 1]);
+            let indices = self.b.add(&start, &iota);
+            return self.b.scatter_rows(x, &indices, rows);
+        }
+        let zero = self.i32(0, &[]);
+        let mut starts = vec![start];
+        starts.resize(x.ty.rank(), &zero);
+        self.b.dynamic_update_slice(x, rows, &starts)
     }
 
     /// Attention of `q` over every row of `keys`/`values` with `mask` (`[C, rows]`).
@@ -1214,11 +1234,20 @@ impl<'a> Forward<'a> {
     /// `x`: `[C, hidden]`; returns `[hidden]`.
     fn final_norm(&mut self, ch: &Chunk, x: &Value, norm: &Value) -> Value {
         let hidden = self.cfg.hidden_size;
-        let zero = self.i32(0, &[]);
-        let one = self.b.scalar_i32(1);
-        let last = self.b.scalar_sub(&ch.valid_host, &one);
-        let last = self.b.tensor_of(&last);
-        let h = self.b.dynamic_slice(x, &[&last, &zero], &[1, hidden]);
+        let h = if ch.c == 1 {
+            x.clone()
+        } else if self.opts.device_rows {
+            let one = self.i32(1, &[]);
+            let last = self.b.sub(&ch.valid, &one);
+            let last = self.b.reshape(&last, &[1, 1]);
+            self.b.gather_rows(x, &last)
+        } else {
+            let zero = self.i32(0, &[]);
+            let one = self.b.scalar_i32(1);
+            let last = self.b.scalar_sub(&ch.valid_host, &one);
+            let last = self.b.tensor_of(&last);
+            self.b.dynamic_slice(x, &[&last, &zero], &[1, hidden])
+        };
         let h = self.rms_norm(&h, norm);
         self.b.reshape(&h, &[hidden])
     }

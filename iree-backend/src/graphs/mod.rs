@@ -159,6 +159,15 @@ pub struct GraphOptions {
     /// distributes a product over its batch and output dims only, and a few query rows'
     /// scores and weighted values are otherwise a few workgroups on a GPU.
     pub key_blocks: bool,
+    /// Write the chunk's K/V rows and ring positions by a scatter at rows computed on the
+    /// device from the `pos0` tensor, and take the last valid row by a gather, instead of at
+    /// offsets computed from the host scalars. A call's command buffer then captures no value
+    /// of the call (only constants and bindings), so IREE records it once, when the module
+    /// loads, and replays it with each call's buffers (`hal.device.queue.execute.indirect`);
+    /// with host offsets every call records each of its dispatches again (on an H100 the
+    /// host's work was most of a decode step's time). Off on llvm-cpu, whose branches capture the host's predicates
+    /// anyway and whose step it did not change (docs/BENCHMARKS.md, forty-first pass).
+    pub device_rows: bool,
 }
 
 impl GraphOptions {
@@ -172,11 +181,12 @@ impl GraphOptions {
             input: Input::Ids,
             own_kernels: kernels::kernel_object(),
             key_blocks: false,
+            device_rows: false,
         }
     }
 
     /// What Vulkan runs best: HF matrices, no branches, the full head, few query rows'
-    /// attention in blocks of keys.
+    /// attention in blocks of keys, the rows written at offsets computed on the device.
     pub fn vulkan() -> Self {
         GraphOptions {
             layout: WeightLayout::Rows,
@@ -185,6 +195,7 @@ impl GraphOptions {
             input: Input::Embeddings,
             own_kernels: None,
             key_blocks: true,
+            device_rows: true,
         }
     }
 
