@@ -141,7 +141,8 @@ struct RopeTables {
 /// Per-chunk values shared by all layers: positions, masks and RoPE tables.
 pub(super) struct Chunk {
     pub c: usize,
-    /// `pos0` and `valid` by value: what indices and branch predicates derive from.
+    /// `pos0` and `valid` by value: what branch predicates derive from, and the rows written
+    /// and read unless [`GraphOptions::device_rows`].
     pos0_host: Scalar,
     valid_host: Scalar,
     /// Where the global layers write: `pos0` (from the host scalar unless
