@@ -165,8 +165,9 @@ pub struct GraphOptions {
     /// of the call (only constants and bindings), so IREE records it once, when the module
     /// loads, and replays it with each call's buffers (`hal.device.queue.execute.indirect`);
     /// with host offsets every call records each of its dispatches again (on an H100 the
-    /// host's work was most of a decode step's time). Off on llvm-cpu, whose branches capture the host's predicates
-    /// anyway and whose step it did not change (docs/BENCHMARKS.md, forty-first pass).
+    /// host's work was most of a decode step's time). Off on llvm-cpu, whose branches
+    /// capture the host's predicates anyway and whose step it did not change
+    /// (docs/BENCHMARKS.md, forty-first pass).
     pub device_rows: bool,
 }
 
