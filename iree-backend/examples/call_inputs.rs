@@ -1,6 +1,9 @@
 //! What a decode step's three small inputs cost before its call, on each device: uploaded
 //! (`BufferView::from_f32` / `from_i32`: a queue submission and a wait each) or written through
-//! a host mapping (`BufferView::input_f32` / `input_i32`, what the model uses).
+//! a host mapping (`BufferView::input_f32` / `input_i32`, what the model uses); and what its
+//! token costs after it: read from device memory (a transfer: a submission and a wait) or
+//! through a mapping of the host memory the call wrote it to (`BufferView::host_result`, what
+//! the model passes).
 //!
 //! ```text
 //! cargo run --release -p kvsnap-iree --example call_inputs
@@ -8,7 +11,7 @@
 
 use std::time::Instant;
 
-use kvsnap_iree::runtime::{BufferView, Device, Instance};
+use kvsnap_iree::runtime::{BufferView, Device, ElementType, Instance};
 
 /// Rounds of the three inputs per timing.
 const ROUNDS: u32 = 500;
@@ -41,6 +44,12 @@ fn main() -> kvsnap_contract::Result<()> {
                 BufferView::input_i32(device, &[], &[1]).map(drop)
             })?;
             println!("{name} (round {round}): the step's three inputs uploaded {uploaded:.1} us, written through a mapping {mapped:.1} us");
+            let local = BufferView::from_i32(device, &[], &[7])?;
+            let host = BufferView::host_result(device, &[], ElementType::I32)?;
+            host.write_bytes(&7i32.to_le_bytes())?;
+            let transferred = time(&|| local.to_i32_vec().map(drop))?;
+            let read = time(&|| host.to_i32_vec().map(drop))?;
+            println!("{name} (round {round}): the step's token read from device memory {transferred:.1} us, through a mapping {read:.1} us");
         }
     }
     Ok(())

@@ -115,6 +115,10 @@ pub struct IreeModel {
     /// one call at a time: see [`crate::runtime::Session`]).
     session: Lease,
     weights: Vec<BufferView>, // manifest weight order
+    /// The storage every call writes its token to ([`graphs::Role::NextOut`]): host memory
+    /// the device writes where the driver offers it ([`BufferView::host_result`]). Calls run
+    /// one at a time under the session's lock, and each reads its token before releasing it.
+    next_out: BufferView,
     /// `[vocab, hidden]`, memory-mapped (no second copy in RAM): the host gathers rows from it
     /// when `input` is `Input::Embeddings`.
     embed_tokens: Tensor,
@@ -367,12 +371,14 @@ impl IreeModel {
             g.manifest.capacity,
             g.manifest.ring,
         );
+        let next_out = BufferView::host_result(&device, &[], ElementType::I32)?;
         Ok(IreeModel {
             cfg,
             target: opts.target,
             device,
             session,
             weights,
+            next_out,
             embed_tokens,
             input,
             report,
@@ -441,6 +447,13 @@ impl IreeModel {
     /// The manifest of the compiled module.
     pub fn manifest(&self) -> &Manifest {
         &self.manifest
+    }
+
+    /// Whether calls write their token to host memory that the host reads through a mapping
+    /// (no queue operation after a call): where the driver offers such memory
+    /// ([`BufferView::host_result`]), which lavapipe, NVIDIA's driver and the CPU device do.
+    pub fn token_read_mapped(&self) -> bool {
+        self.next_out.host_readable()
     }
 
     /// How many KV results so far were new buffers rather than their argument updated in place.
@@ -660,6 +673,7 @@ impl IreeModel {
         ];
         args.extend(self.weights.iter().map(Arg::View));
         args.extend(kv.bufs.iter().map(Arg::View));
+        args.push(Arg::View(&self.next_out));
         session.call_args(name, &args)
     }
 

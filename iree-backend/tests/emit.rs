@@ -926,6 +926,15 @@ fn manifest_lists_weights_by_hf_name_in_call_order() {
             (Role::ValidHost, DType::HostI32)
         ]
     );
+    // The token's storage comes last, the storage of result 0 (`next`).
+    let last = e.args.last().unwrap();
+    assert_eq!((last.role, last.dtype), (Role::NextOut, DType::I32));
+    assert!(last.dims.is_empty());
+    assert_eq!(e.results[0].role, Role::Next);
+    let n = e.args.len() - 1;
+    assert!(sig.contains(&format!(
+        ", %{n}: tensor<i32> {{iree.abi.output = 0 : index}}) -> (tensor<i32>, "
+    )));
     let json = serde_json::to_string(&g.manifest).unwrap();
     let back: graphs::Manifest = serde_json::from_str(&json).unwrap();
     assert_eq!(back, g.manifest);

@@ -55,6 +55,24 @@ func.func @scatter(%cache: tensor<16x8xf32>, %rows: tensor<3x8xf32>, %base: tens
 }
 "#;
 
+/// The index of the largest of 4 values, written to storage the caller passes
+/// (`iree.abi.output`), as the model's entry points return their token.
+const ARGMAX_INTO: &str = r#"
+func.func @argmax(%x: tensor<4xf32>, %out: tensor<i32> {iree.abi.output = 0 : index}) -> tensor<i32> {
+  %iota = stablehlo.iota dim = 0 : tensor<4xi32>
+  %ninf = stablehlo.constant dense<0xFF800000> : tensor<f32>
+  %zero = stablehlo.constant dense<0> : tensor<i32>
+  %r:2 = stablehlo.reduce(%x init: %ninf), (%iota init: %zero) across dimensions = [0] : (tensor<4xf32>, tensor<4xi32>, tensor<f32>, tensor<i32>) -> (tensor<f32>, tensor<i32>)
+    reducer(%a: tensor<f32>, %b: tensor<f32>) (%i: tensor<i32>, %j: tensor<i32>) {
+      %gt = stablehlo.compare GT, %b, %a : (tensor<f32>, tensor<f32>) -> tensor<i1>
+      %m = stablehlo.select %gt, %b, %a : tensor<i1>, tensor<f32>
+      %k = stablehlo.select %gt, %j, %i : tensor<i1>, tensor<i32>
+      stablehlo.return %m, %k : tensor<f32>, tensor<i32>
+    }
+  return %r#1 : tensor<i32>
+}
+"#;
+
 const ROWS: usize = 16;
 const WIDTH: usize = 8;
 
@@ -139,6 +157,49 @@ fn inputs_written_through_a_mapping_feed_a_call() {
         match target {
             Target::VulkanSpirv => assert_eq!((mapped, uploaded), (42, 0), "{target:?}"),
             Target::LlvmCpu => assert_eq!((mapped, uploaded), (0, 42), "{target:?}"),
+        }
+    }
+}
+
+/// A result written into storage the caller passes (`iree.abi.output`) comes back in that
+/// storage, call after call; where it is host memory (`BufferView::host_result`: lavapipe's
+/// and the CPU device's) the host reads it through a mapping, with no transfer.
+#[test]
+fn a_result_written_into_host_storage_is_read_without_a_transfer() {
+    for (device, target) in devices() {
+        let session = load(&device, target, ARGMAX_INTO);
+        let out = BufferView::host_result(&device, &[], ElementType::I32).unwrap();
+        assert!(out.host_readable(), "{target:?}");
+        let before = device.read_stats();
+        for k in 0..12 {
+            let mut x = [0.5f32, -1.0, 0.25, 0.0];
+            x[k % 4] = 2.0 + k as f32;
+            let x = BufferView::input_f32(&device, &[4], &x).unwrap();
+            let result = session.call("argmax", &[&x, &out]).unwrap();
+            assert!(result[0].shares_storage_with(&out), "{target:?}, call {k}");
+            assert_eq!(
+                out.to_i32_vec().unwrap(),
+                vec![(k % 4) as i32],
+                "{target:?}, call {k}"
+            );
+        }
+        let after = device.read_stats();
+        assert_eq!(
+            (
+                after.mapped - before.mapped,
+                after.transferred - before.transferred
+            ),
+            (12, 0),
+            "{target:?}"
+        );
+        // Device memory is read by a transfer on Vulkan; the CPU device maps all its memory.
+        let local = BufferView::from_i32(&device, &[2], &[7, -7]).unwrap();
+        assert_eq!(local.to_i32_vec().unwrap(), vec![7, -7], "{target:?}");
+        let last = device.read_stats();
+        let transferred = last.transferred - after.transferred;
+        match target {
+            Target::VulkanSpirv => assert!(!local.host_readable() && transferred == 1),
+            Target::LlvmCpu => assert!(local.host_readable() && transferred == 0),
         }
     }
 }

@@ -213,6 +213,8 @@ fn prefill_extend_step_match_the_reference(p: &Pair) {
     assert_eq!((skip.token, skip.logits), (want.token, None));
     // Every KV buffer was updated in place by every call (no whole-buffer copies).
     assert_eq!(p.iree.kv_copies(), 0, "KV results in new buffers");
+    // The tokens came back through host memory the calls wrote (no transfer after a call).
+    assert!(p.iree.token_read_mapped());
 }
 
 /// Decode steps from a short prefix to the capacity: on llvm-cpu each runs the step entry point

@@ -209,6 +209,18 @@ impl FuncBuilder {
         v
     }
 
+    /// Appends a function argument of type `ty` that is the storage of result `result`
+    /// (`iree.abi.output`): the caller passes the buffer the result is written to, and the
+    /// function returns it. The body does not read it.
+    pub fn output_arg(&mut self, ty: TensorType, result: usize) -> Value {
+        let v = self.fresh(ty);
+        self.args.push(format!(
+            "{v}: {} {{iree.abi.output = {result} : index}}",
+            v.ty
+        ));
+        v
+    }
+
     /// Appends an `i32` function argument passed by value, a host scalar.
     pub fn scalar_arg(&mut self) -> Scalar {
         let s = self.fresh_scalar(ElemType::I32);

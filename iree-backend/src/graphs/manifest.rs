@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 /// Format name written into every manifest.
 pub const MANIFEST_FORMAT: &str = "kvsnap-iree-graphs";
 /// Version of the manifest layout and of the entry-point conventions it describes.
-pub const MANIFEST_VERSION: u32 = 9;
+pub const MANIFEST_VERSION: u32 = 10;
 
 /// Element type of an argument or result.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -62,6 +62,11 @@ pub enum Role {
     /// A KV buffer (input: the state before the chunk; result: after it, updated in place):
     /// the K and V of each layer, then the `sliding.positions` table (i32).
     Kv,
+    /// `next_out: [] i32`, the last argument: the storage [`Role::Next`] is written to and
+    /// returned in (`iree.abi.output`). The runtime passes host memory the device writes, so
+    /// that reading the token back is a read of that memory, not a queue operation and a wait
+    /// after each call.
+    NextOut,
     /// `next: [] i32` greedy argmax of the last valid row's logits.
     Next,
     /// `logits: [vocab] f32` of the last valid row.
@@ -333,7 +338,8 @@ pub struct EntryPoint {
     /// Which head it computes.
     pub head: HeadMode,
     /// Arguments in call order: chunk input, `pos0`, `valid`, `head`, `pos0_host`,
-    /// `valid_host`, weights, the screened head's tensors (if any), KV buffers.
+    /// `valid_host`, weights, the screened head's tensors (if any), KV buffers, `next`'s
+    /// storage ([`Role::NextOut`]).
     pub args: Vec<TensorSpec>,
     /// Results in order: `next`, `logits`, KV buffers (same order as the KV arguments).
     pub results: Vec<TensorSpec>,

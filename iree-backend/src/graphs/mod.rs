@@ -493,6 +493,7 @@ fn entry_point(
     }
     let kv = kv_specs(cfg, ring);
     args.extend(kv.iter().cloned());
+    args.push(spec("next_out", Role::NextOut, &[], DType::I32));
     let mut results = vec![
         spec("next", Role::Next, &[], DType::I32),
         spec("logits", Role::Logits, &[cfg.vocab_size], DType::F32),
@@ -511,7 +512,11 @@ fn entry_point(
     let pos0 = b.arg(arg_type(&args[1]));
     let valid = b.arg(arg_type(&args[2]));
     let [head, pos0_host, valid_host] = [(); 3].map(|()| b.scalar_arg());
-    let values: Vec<Value> = args[6..].iter().map(|a| b.arg(arg_type(a))).collect();
+    let (next_out, tensors) = args[6..]
+        .split_last()
+        .expect("next_out is the last argument");
+    let values: Vec<Value> = tensors.iter().map(|a| b.arg(arg_type(a))).collect();
+    b.output_arg(arg_type(next_out), 0);
     let mut it = values.into_iter();
     let embed = it.next().expect("embed_tokens");
     let layers: Vec<LayerWeights> = (0..cfg.num_layers())

@@ -207,6 +207,18 @@ fn host_input_params() -> sys::iree_hal_buffer_params_t {
     }
 }
 
+/// Buffer parameters for a small result a dispatch writes and the host reads through a
+/// mapping: host memory the device can see.
+fn host_result_params() -> sys::iree_hal_buffer_params_t {
+    sys::iree_hal_buffer_params_t {
+        usage: (sys::iree_hal_buffer_usage_bits_t_IREE_HAL_BUFFER_USAGE_DEFAULT
+            | sys::iree_hal_buffer_usage_bits_t_IREE_HAL_BUFFER_USAGE_MAPPING_SCOPED
+            | sys::iree_hal_buffer_usage_bits_t_IREE_HAL_BUFFER_USAGE_MAPPING_ACCESS_RANDOM)
+            as _,
+        ..host_input_params()
+    }
+}
+
 impl BufferView {
     /// Takes ownership of one reference to `raw`.
     ///
@@ -263,21 +275,58 @@ impl BufferView {
     /// written (use [`BufferView::zeros`] for a defined start).
     pub fn allocate(device: &Device, shape: &[usize], elem: ElementType) -> Result<BufferView> {
         let op = || format!("allocate {shape:?} x {elem:?}");
+        let buffer = Self::allocate_raw(device, device_local_params(), shape, elem, &op)?;
+        Self::wrap_buffer(device, buffer, shape, elem, &op)
+    }
+
+    /// Allocates storage of `shape` x `elem` for a small result (a call's token): host memory
+    /// the device writes, so that [`BufferView::read_bytes`] reads it through a mapping, with
+    /// no queue operation and wait (on Vulkan; the CPU device's buffers are host memory
+    /// anyway). Where the driver offers no such memory, a device-local buffer, read back by a
+    /// transfer. Its contents are undefined until written.
+    pub fn host_result(device: &Device, shape: &[usize], elem: ElementType) -> Result<BufferView> {
+        let op = || format!("allocate a result's storage {shape:?} x {elem:?}");
+        match Self::allocate_raw(device, host_result_params(), shape, elem, &op) {
+            Ok(buffer) => Self::wrap_buffer(device, buffer, shape, elem, &op),
+            // The allocator's refusal: device memory instead (an overflow fails there too).
+            Err(_) => Self::allocate(device, shape, elem),
+        }
+    }
+
+    /// A buffer of `shape` x `elem` from the device's allocator with `params` (one reference,
+    /// the caller's), or the error: the size overflows, or the allocator refused.
+    fn allocate_raw(
+        device: &Device,
+        params: sys::iree_hal_buffer_params_t,
+        shape: &[usize],
+        elem: ElementType,
+        op: &dyn Fn() -> String,
+    ) -> Result<*mut sys::iree_hal_buffer_t> {
         let bytes = element_count(shape)
             .and_then(|n| n.checked_mul(elem.size()))
             .ok_or_else(|| backend_error(device.backend(), op(), "size overflows usize"))?;
         let mut buffer: *mut sys::iree_hal_buffer_t = std::ptr::null_mut();
         // SAFETY: the allocator belongs to the live device; out-pointer to a local.
         let status = unsafe {
-            sys::iree_hal_allocator_allocate_buffer(
-                device.allocator(),
-                device_local_params(),
-                bytes,
-                &mut buffer,
-            )
+            sys::iree_hal_allocator_allocate_buffer(device.allocator(), params, bytes, &mut buffer)
         };
         check(device.backend(), op, status)?;
-        Self::wrap_buffer(device, buffer, shape, elem, &op)
+        Ok(buffer)
+    }
+
+    /// Whether the host reads the buffer through a mapping (host-visible memory that allows
+    /// it), with no queue operation.
+    pub fn host_readable(&self) -> bool {
+        // SAFETY: the buffer is live for as long as `self`.
+        let (memory, usage) = unsafe {
+            (
+                sys::iree_hal_buffer_memory_type(self.buffer()),
+                sys::iree_hal_buffer_allowed_usage(self.buffer()),
+            )
+        };
+        let visible = sys::iree_hal_memory_type_bits_t_IREE_HAL_MEMORY_TYPE_HOST_VISIBLE;
+        let scoped = sys::iree_hal_buffer_usage_bits_t_IREE_HAL_BUFFER_USAGE_MAPPING_SCOPED;
+        memory & visible == visible && usage & scoped == scoped
     }
 
     /// Allocates a buffer and fills it with zero bytes on the device queue.
@@ -658,12 +707,27 @@ impl BufferView {
         })
     }
 
-    /// Copies the whole buffer to the host (synchronous). The explicit debug/parity path: device
-    /// state never leaves the device otherwise.
+    /// Copies the whole buffer to the host (synchronous): through a mapping where the buffer
+    /// is host memory that allows it ([`BufferView::host_readable`]), else by a transfer, a
+    /// queue operation and a wait ([`Device::read_stats`] counts both). Results a call has
+    /// written are complete when the call returns.
     pub fn read_bytes(&self) -> Result<Vec<u8>> {
         let len = self.byte_length();
         let mut out = vec![0u8; len];
         if len == 0 {
+            return Ok(out);
+        }
+        let op = || format!("read back {len} bytes");
+        if self.host_readable() {
+            // SAFETY: the buffer is live, host-visible and `len` long; `out` has `len` bytes.
+            let status = unsafe {
+                sys::iree_hal_buffer_map_read(self.buffer(), 0, out.as_mut_ptr().cast(), len)
+            };
+            check(self.device.backend(), op, status)?;
+            self.device
+                .inner
+                .reads_mapped
+                .fetch_add(1, Ordering::Relaxed);
             return Ok(out);
         }
         // SAFETY: `out` has `len` writable bytes; the source buffer is live and `len` long; the
@@ -680,11 +744,11 @@ impl BufferView {
                 ffi::infinite_timeout(),
             )
         };
-        check(
-            self.device.backend(),
-            || format!("read back {len} bytes"),
-            status,
-        )?;
+        check(self.device.backend(), op, status)?;
+        self.device
+            .inner
+            .reads_transferred
+            .fetch_add(1, Ordering::Relaxed);
         Ok(out)
     }
 

@@ -105,6 +105,16 @@ pub struct InputStats {
     pub uploaded: u64,
 }
 
+/// Counters of [`BufferView::read_bytes`](super::BufferView::read_bytes), to see which path
+/// results took back to the host.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ReadStats {
+    /// Reads through a host mapping (host memory the device wrote, or the CPU device's).
+    pub mapped: u64,
+    /// Reads by a transfer from device memory: a queue operation and a wait each.
+    pub transferred: u64,
+}
+
 impl ImportStats {
     /// Counts one import of `bytes` that took the path `mode`.
     pub fn add(&mut self, mode: &ImportMode, bytes: u64) {
@@ -147,6 +157,8 @@ pub(crate) struct DeviceInner {
     pub(crate) copied_bytes: AtomicU64,
     pub(crate) inputs_mapped: AtomicU64,
     pub(crate) inputs_uploaded: AtomicU64,
+    pub(crate) reads_mapped: AtomicU64,
+    pub(crate) reads_transferred: AtomicU64,
     /// Set once the allocator refused host memory for a call's input: later inputs upload
     /// without asking again.
     pub(crate) host_inputs_refused: AtomicBool,
@@ -312,6 +324,8 @@ impl Device {
                 zero_copy_bytes: AtomicU64::new(0),
                 copied_bytes: AtomicU64::new(0),
                 inputs_mapped: AtomicU64::new(0),
+                reads_mapped: AtomicU64::new(0),
+                reads_transferred: AtomicU64::new(0),
                 inputs_uploaded: AtomicU64::new(0),
                 host_inputs_refused: AtomicBool::new(false),
             }),
@@ -381,6 +395,14 @@ impl Device {
         InputStats {
             mapped: self.inner.inputs_mapped.load(Ordering::Relaxed),
             uploaded: self.inner.inputs_uploaded.load(Ordering::Relaxed),
+        }
+    }
+
+    /// How results came back to the host so far.
+    pub fn read_stats(&self) -> ReadStats {
+        ReadStats {
+            mapped: self.inner.reads_mapped.load(Ordering::Relaxed),
+            transferred: self.inner.reads_transferred.load(Ordering::Relaxed),
         }
     }
 

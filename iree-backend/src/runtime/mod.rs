@@ -24,6 +24,8 @@ mod wait;
 
 pub(crate) use buffer::as_bytes;
 pub use buffer::{BufferView, ElementType, Transfer, HOST_IMPORT_ALIGNMENT};
-pub use device::{AllocatorStats, Device, DeviceKind, ImportMode, ImportStats, InputStats};
+pub use device::{
+    AllocatorStats, Device, DeviceKind, ImportMode, ImportStats, InputStats, ReadStats,
+};
 pub use instance::Instance;
 pub use session::{Arg, Session};
