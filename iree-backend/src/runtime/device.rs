@@ -324,9 +324,9 @@ impl Device {
                 zero_copy_bytes: AtomicU64::new(0),
                 copied_bytes: AtomicU64::new(0),
                 inputs_mapped: AtomicU64::new(0),
+                inputs_uploaded: AtomicU64::new(0),
                 reads_mapped: AtomicU64::new(0),
                 reads_transferred: AtomicU64::new(0),
-                inputs_uploaded: AtomicU64::new(0),
                 host_inputs_refused: AtomicBool::new(false),
             }),
         })
