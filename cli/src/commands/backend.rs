@@ -96,6 +96,12 @@ pub trait LoadFacts {
     fn input_facts(&self) -> Option<Value> {
         None
     }
+
+    /// How the calls' results came back to the host so far, where the backend has a device:
+    /// `{"mapped": n, "transferred": m}` ([`kvsnap_iree::runtime::ReadStats`]).
+    fn read_facts(&self) -> Option<Value> {
+        None
+    }
 }
 
 impl LoadFacts for ReferenceModel {
@@ -134,6 +140,11 @@ impl LoadFacts for IreeModel {
     fn input_facts(&self) -> Option<Value> {
         let s = self.device().input_stats();
         Some(json!({ "mapped": s.mapped, "uploaded": s.uploaded }))
+    }
+
+    fn read_facts(&self) -> Option<Value> {
+        let s = self.device().read_stats();
+        Some(json!({ "mapped": s.mapped, "transferred": s.transferred }))
     }
 }
 

@@ -322,6 +322,13 @@ fn run_model<M: KvModel + LoadFacts>(
         );
         fields.insert("inputs".into(), inputs);
     }
+    if let Some(reads) = model.read_facts() {
+        println!(
+            "the results read back: {} through a host mapping, {} by a transfer",
+            reads["mapped"], reads["transferred"]
+        );
+        fields.insert("reads".into(), reads);
+    }
     if args.backend == Backend::IreeVulkan {
         // Which SPIR-V the figures are of: null is IREE's generic environment.
         fields.insert("vulkan_target".into(), json!(vulkan_target()?));
