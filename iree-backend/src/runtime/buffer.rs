@@ -393,20 +393,10 @@ impl BufferView {
         bytes: &[u8],
     ) -> Result<Option<BufferView>> {
         let op = || format!("write {} input bytes as {shape:?} x {elem:?}", bytes.len());
-        let mut buffer: *mut sys::iree_hal_buffer_t = std::ptr::null_mut();
-        // SAFETY: the allocator belongs to the live device; out-pointer to a local.
-        let status = unsafe {
-            sys::iree_hal_allocator_allocate_buffer(
-                device.allocator(),
-                host_input_params(),
-                bytes.len(),
-                &mut buffer,
-            )
-        };
-        if !status.is_null() {
-            super::status::consume_to_string(status);
+        // `input` checked that `bytes` is `shape` x `elem` long.
+        let Ok(buffer) = Self::allocate_raw(device, host_input_params(), shape, elem, &op) else {
             return Ok(None);
-        }
+        };
         // SAFETY: `buffer` is live, mappable and `bytes.len()` long; `bytes` is readable.
         let status = unsafe {
             sys::iree_hal_buffer_map_write(buffer, 0, bytes.as_ptr().cast(), bytes.len())
