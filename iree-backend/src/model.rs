@@ -25,7 +25,7 @@ pub use crate::kv::IreeKv;
 use crate::kv::KvPool;
 use crate::resident::{self, Lease};
 use crate::runtime::{
-    as_bytes, Arg, BufferView, Device, DeviceKind, ElementType, ImportMode, ImportStats,
+    as_bytes, Arg, BufferView, Device, DeviceKind, ElementType, ImportMode, ImportStats, Pending,
 };
 
 /// How to load an [`IreeModel`].
@@ -429,6 +429,96 @@ impl IreeModel {
         }
     }
 
+    /// `steps` greedy decode steps from `id`, queued on the device one after another: the
+    /// same tokens and the same state as `steps` calls of [`KvModel::step`], each fed the
+    /// previous one's token, but the host does not wait between them. Each step takes its id
+    /// from the previous step's token storage on the device and waits for the previous call
+    /// there, so the host queues step k+1 while the device runs step k; the tokens are read
+    /// once the last step is done. Returns the `steps` tokens, in order.
+    ///
+    /// The steps run the ids-input decode step with the full head: on Vulkan `chunk_ids_c1`
+    /// (it attends over the whole capacity, there are no span entry points for ids there), on
+    /// llvm-cpu the span entry points, but not the screened head (an unsettled screen reruns
+    /// its chunk, which a queued step cannot).
+    ///
+    /// Errors: as [`KvModel::step`] for `id`, [`Error::EmptyInput`] for no steps and
+    /// [`Error::ContextOverflow`] where the steps would not fit, all before anything runs; a
+    /// device failure poisons `kv` ([`Error::Poisoned`] afterwards).
+    pub fn decode_queued(&self, kv: &mut IreeKv, id: u32, steps: usize) -> Result<Vec<u32>> {
+        const OP: &str = "decode_queued";
+        check::tokens(&self.cfg, OP, kv.len, &[id])?;
+        if steps == 0 {
+            return Err(Error::EmptyInput { op: OP });
+        }
+        if kv.len + steps > self.cfg.context_capacity {
+            return Err(Error::ContextOverflow {
+                op: OP,
+                have: kv.len,
+                adding: steps,
+                capacity: self.cfg.context_capacity,
+            });
+        }
+        if let Some(cause) = &kv.poisoned {
+            return Err(Error::Poisoned {
+                op: OP,
+                cause: cause.clone(),
+            });
+        }
+        let result = self.queue_steps(kv, id, steps);
+        if let Err(e) = &result {
+            kv.poisoned = Some(e.to_string());
+        }
+        result
+    }
+
+    /// [`IreeModel::decode_queued`] after its checks.
+    fn queue_steps(&self, kv: &mut IreeKv, id: u32, steps: usize) -> Result<Vec<u32>> {
+        let session = self
+            .session
+            .session()
+            .lock()
+            .map_err(|_| self.backend_error("lock session", "a previous call panicked"))?;
+        let mut input = BufferView::input_i32(&self.device, &[1], &[id as i32])?;
+        // Each call's inputs and results stay alive until the last call is done.
+        let mut keep = Vec::with_capacity(steps);
+        let mut tokens = Vec::with_capacity(steps);
+        let mut prev: Option<Pending> = None;
+        for _ in 0..steps {
+            let entry = self.entry_for(Role::Ids, 1, kv.len + 1, HEAD_FULL)?;
+            let name = self.manifest.entry_points[entry].name.as_str();
+            self.entry_calls[entry].fetch_add(1, Ordering::Relaxed);
+            let pos0 = kv.len as i32;
+            let pos0_view = BufferView::input_i32(&self.device, &[], &[pos0])?;
+            let valid_view = BufferView::input_i32(&self.device, &[], &[1])?;
+            let next = BufferView::host_result(&self.device, &[], ElementType::I32)?;
+            kv.will_write(1);
+            let rows = ChunkRows {
+                input: &input,
+                pos0: (&pos0_view, pos0),
+                valid: (&valid_view, 1),
+            };
+            let args = self.arguments(&rows, HEAD_FULL, kv, &next);
+            let (mut outs, pending) = session.call_queued(name, &args, prev.as_ref())?;
+            drop(args);
+            kv.bufs = outs.split_off(2);
+            kv.len += 1;
+            // The next step's `[1]` ids are this step's `next` storage.
+            let following = next.reshaped(&[1])?;
+            keep.push((input, pos0_view, valid_view, outs));
+            tokens.push(next);
+            input = following;
+            prev = Some(pending);
+        }
+        if let Some(last) = prev {
+            last.wait()?;
+        }
+        drop(keep);
+        tokens
+            .iter()
+            .map(|t| Ok(t.to_i32_vec()?[0] as u32))
+            .collect()
+    }
+
     /// Test-only fault injection: the next operation (on any thread) fails with
     /// [`Error::Backend`] right after its chunk call `chunk` (or its last one, if it has fewer)
     /// has updated the KV buffers on the device, i.e. midway through an update of the state, which
@@ -663,6 +753,18 @@ impl IreeModel {
     ) -> Result<Vec<BufferView>> {
         let name = self.manifest.entry_points[entry].name.as_str();
         self.entry_calls[entry].fetch_add(1, Ordering::Relaxed);
+        session.call_args(name, &self.arguments(rows, head, kv, &self.next_out))
+    }
+
+    /// An entry point's arguments in signature order: the chunk's rows and scalars, the
+    /// `head` flag, the weights, `kv`'s buffers and the storage of the `next` result.
+    fn arguments<'a>(
+        &'a self,
+        rows: &ChunkRows<'a>,
+        head: i32,
+        kv: &'a IreeKv,
+        next: &'a BufferView,
+    ) -> Vec<Arg<'a>> {
         let mut args = vec![
             Arg::View(rows.input),
             Arg::View(rows.pos0.0),
@@ -673,8 +775,8 @@ impl IreeModel {
         ];
         args.extend(self.weights.iter().map(Arg::View));
         args.extend(kv.bufs.iter().map(Arg::View));
-        args.push(Arg::View(&self.next_out));
-        session.call_args(name, &args)
+        args.push(Arg::View(next));
+        args
     }
 
     fn backend_error(&self, op: &str, status: &str) -> Error {

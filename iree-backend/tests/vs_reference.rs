@@ -5,7 +5,7 @@
 
 use std::sync::OnceLock;
 
-use kvsnap_contract::{KvModel, Logits, Next, Tolerance};
+use kvsnap_contract::{Error, KvModel, Logits, Next, Tolerance};
 use kvsnap_iree::compile::{Compiler, Target};
 use kvsnap_iree::graphs::{DType, HeadMode, Input, Role};
 use kvsnap_iree::{IreeModel, IreeOptions};
@@ -89,6 +89,7 @@ per_target!(
     kv_bytes_are_the_allocated_buffers,
     both_input_kinds_serve_every_operation,
     steps_through_every_global_span_match_the_reference,
+    queued_decode_matches_the_reference,
 );
 
 /// Deterministic token ids in the tiny vocab.
@@ -215,6 +216,56 @@ fn prefill_extend_step_match_the_reference(p: &Pair) {
     assert_eq!(p.iree.kv_copies(), 0, "KV results in new buffers");
     // The tokens came back through host memory the calls wrote (no transfer after a call).
     assert!(p.iree.token_read_mapped());
+}
+
+/// Greedy steps queued on the device one after another (`IreeModel::decode_queued`: each
+/// step's id is the previous step's token storage) give the reference's tokens step by step,
+/// and leave the state the reference's steps leave (the next step's logits match). Bad
+/// input is refused before anything runs and leaves the state usable.
+fn queued_decode_matches_the_reference(p: &Pair) {
+    let r = Logits::Return;
+    let seq = ids(30, 7);
+    let (mut a, first) = p.iree.prefill(&seq, r).unwrap();
+    let (mut b, want_first) = p.reference.prefill(&seq, r).unwrap();
+    assert_close("prefill", &first, &want_first);
+    // 20 steps cross the tiny model's 6-token window and its ring's modulus many times.
+    let steps = 20;
+    let got = p.iree.decode_queued(&mut a, first.token, steps).unwrap();
+    let mut want = Vec::new();
+    let mut t = want_first.token;
+    for _ in 0..steps {
+        t = p.reference.step(&mut b, t, Logits::Skip).unwrap().token;
+        want.push(t);
+    }
+    assert_eq!(got, want, "queued tokens against the reference's steps");
+    assert_eq!(p.iree.len(&a), seq.len() + steps);
+    let next = *got.last().unwrap();
+
+    let cap = p.iree.config().context_capacity;
+    let vocab = p.iree.config().vocab_size as u32;
+    let room = cap - p.iree.len(&a);
+    let refused = [
+        (p.iree.decode_queued(&mut a, next, 0), "empty"),
+        (p.iree.decode_queued(&mut a, vocab, 1), "token"),
+        (p.iree.decode_queued(&mut a, next, room + 1), "overflow"),
+    ];
+    for (result, what) in refused {
+        match (result, what) {
+            (Err(Error::EmptyInput { .. }), "empty")
+            | (Err(Error::TokenOutOfRange { .. }), "token")
+            | (Err(Error::ContextOverflow { .. }), "overflow") => {}
+            (other, _) => panic!("{what}: expected its input error, got {other:?}"),
+        }
+    }
+    assert_eq!(
+        p.iree.len(&a),
+        seq.len() + steps,
+        "a refused call changed the state"
+    );
+    let after = p.iree.step(&mut a, next, r).unwrap();
+    let want_after = p.reference.step(&mut b, next, r).unwrap();
+    assert_close("the step after the queued ones", &after, &want_after);
+    assert_eq!(p.iree.kv_copies(), 0, "KV results in new buffers");
 }
 
 /// Decode steps from a short prefix to the capacity: on llvm-cpu each runs the step entry point

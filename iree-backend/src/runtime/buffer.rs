@@ -271,6 +271,30 @@ impl BufferView {
         Ok(unsafe { BufferView::from_raw(raw, device) })
     }
 
+    /// A second view of this view's buffer with `shape` (the same element type and byte
+    /// length): the device sees one buffer under both.
+    pub fn reshaped(&self, shape: &[usize]) -> Result<BufferView> {
+        let elem = self.element_type().ok_or_else(|| {
+            backend_error(
+                self.device.backend(),
+                "reshape a view",
+                "unknown element type",
+            )
+        })?;
+        let op = || format!("view {:?} as {shape:?}", self.shape());
+        if element_count(shape).map(|n| n * elem.size()) != Some(self.byte_length()) {
+            return Err(backend_error(
+                self.device.backend(),
+                op(),
+                "byte lengths differ",
+            ));
+        }
+        let buffer = self.buffer();
+        // SAFETY: the buffer is live; wrap_buffer takes over this reference.
+        unsafe { sys::iree_hal_buffer_retain(buffer) };
+        Self::wrap_buffer(&self.device, buffer, shape, elem, &op)
+    }
+
     /// Allocates a device-local buffer of `shape` x `elem`. Its contents are undefined until
     /// written (use [`BufferView::zeros`] for a defined start).
     pub fn allocate(device: &Device, shape: &[usize], elem: ElementType) -> Result<BufferView> {

@@ -28,4 +28,4 @@ pub use device::{
     AllocatorStats, Device, DeviceKind, ImportMode, ImportStats, InputStats, ReadStats,
 };
 pub use instance::Instance;
-pub use session::{Arg, Session};
+pub use session::{Arg, Pending, Session};

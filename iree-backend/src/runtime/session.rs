@@ -222,6 +222,52 @@ impl Session {
     /// ("variant at index 2 is not a value type") and an `i32` for a tensor one, both as
     /// `FAILED_PRECONDITION` errors, and the session stays usable.
     pub fn call_args(&self, function: &str, inputs: &[Arg]) -> Result<Vec<BufferView>> {
+        Ok(self.invoke(function, inputs, None, true)?.0)
+    }
+
+    /// [`Session::call_args`] without the wait: queues the call, on the device after
+    /// `after`'s work (a device-side wait on its signal, not the host's), and returns its
+    /// results and its [`Pending`] as soon as it is queued. The results hold their values
+    /// once the call is done ([`Pending::wait`], or a later call queued after it that was
+    /// waited for); until then nothing may read them on the host.
+    ///
+    /// Errors: as [`Session::call_args`], and a function that does not take the
+    /// coarse-fences ABI ([`Session::takes_fences`]), which cannot be queued.
+    pub fn call_queued(
+        &self,
+        function: &str,
+        inputs: &[Arg],
+        after: Option<&Pending>,
+    ) -> Result<(Vec<BufferView>, Pending)> {
+        if !self.takes_fences(function)? {
+            return Err(backend_error(
+                self.device.backend(),
+                format!("call {}.{function}", self.module_name),
+                "the function waits for its work inside IREE (not compiled with coarse fences), so it cannot be queued",
+            ));
+        }
+        let (outs, signal) = self.invoke(function, inputs, after, false)?;
+        let signal = signal.expect("a coarse-fences call has a signal");
+        Ok((
+            outs,
+            Pending {
+                signal,
+                backend: self.device.backend(),
+                op: format!("call {}.{function}", self.module_name),
+            },
+        ))
+    }
+
+    /// Calls `function`: after `after`'s work where given (coarse-fences functions only),
+    /// waiting for its own where `wait`. Returns the results and, for a coarse-fences
+    /// function, its signal.
+    fn invoke(
+        &self,
+        function: &str,
+        inputs: &[Arg],
+        after: Option<&Pending>,
+        wait: bool,
+    ) -> Result<(Vec<BufferView>, Option<Signal>)> {
         let backend = self.device.backend();
         let op = || format!("call {}.{function}", self.module_name);
         let (resolved, fenced) = self.resolve(function)?;
@@ -271,9 +317,25 @@ impl Session {
         let signal = if fenced {
             let signal = Signal::new(&self.device)?;
             let fences = || format!("{}: pass fences", op());
-            // SAFETY: the list is live; a null ref is the absent wait fence.
+            // SAFETY: the list is live; a null ref is the absent wait fence, else `after`'s
+            // live signal fence.
             let status = unsafe {
-                sys::iree_vm_list_push_ref_move(input_list.0, &mut sys::iree_vm_ref_t::default())
+                match after {
+                    None => sys::iree_vm_list_push_ref_move(
+                        input_list.0,
+                        &mut sys::iree_vm_ref_t::default(),
+                    ),
+                    // The list takes the reference retained for it, or the VM releases it
+                    // if the push fails.
+                    Some(p) => {
+                        let mut r = sys::iree_hal_fence_retain_ref(p.signal.fence);
+                        let status = sys::iree_vm_list_push_ref_move(input_list.0, &mut r);
+                        if !status.is_null() {
+                            sys::iree_vm_ref_release(&mut r);
+                        }
+                        status
+                    }
+                }
             };
             check(backend, fences, status)?;
             // SAFETY: the list is live; the reference retained for it is handed to it, or
@@ -306,7 +368,7 @@ impl Session {
             )
         };
         check(backend, op, status)?;
-        if let Some(signal) = &signal {
+        if let Some(signal) = signal.as_ref().filter(|_| wait) {
             signal.semaphore.wait(1, backend, op)?;
         }
 
@@ -337,7 +399,7 @@ impl Session {
             // results of a call on this session live on its device.
             outputs.push(unsafe { BufferView::from_raw(view, &self.device) });
         }
-        Ok(outputs)
+        Ok((outputs, signal))
     }
 
     /// The exported function `function`, and whether it takes the coarse-fences ABI (a wait
@@ -386,6 +448,27 @@ impl std::fmt::Debug for Session {
             .field("functions", &self.functions)
             .field("device", &self.device)
             .finish()
+    }
+}
+
+/// A call [`Session::call_queued`] queued: its work may still be running on the device.
+/// Dropping it does not wait (the device keeps what queued work uses alive until it is done).
+pub struct Pending {
+    signal: Signal,
+    backend: &'static str,
+    /// `call MODULE.FUNCTION`, for errors.
+    op: String,
+}
+
+impl Pending {
+    /// Blocks the calling thread, parked, until the call's work (and so the work of every
+    /// call it was queued after) is done.
+    ///
+    /// Errors: the work's failure, with IREE's status text.
+    pub fn wait(&self) -> Result<()> {
+        self.signal
+            .semaphore
+            .wait(1, self.backend, || self.op.clone())
     }
 }
 
