@@ -286,6 +286,15 @@ struct ChunkRows<'a> {
     valid: (&'a BufferView, i32),
 }
 
+/// What [`IreeModel::decode_queued`] has queued: each call's inputs and results, kept alive
+/// until the last call is done; each call's token storage, in order; the last call.
+#[derive(Default)]
+struct Queue {
+    kept: Vec<([BufferView; 3], Vec<BufferView>)>,
+    tokens: Vec<BufferView>,
+    last: Option<Pending>,
+}
+
 /// The rows of one chunk call.
 #[derive(Clone, Copy)]
 enum ChunkInput<'a> {
@@ -478,11 +487,30 @@ impl IreeModel {
             .session()
             .lock()
             .map_err(|_| self.backend_error("lock session", "a previous call panicked"))?;
-        let mut input = BufferView::input_i32(&self.device, &[1], &[id as i32])?;
-        // Each call's inputs and results stay alive until the last call is done.
-        let mut keep = Vec::with_capacity(steps);
-        let mut tokens = Vec::with_capacity(steps);
-        let mut prev: Option<Pending> = None;
+        let first = BufferView::input_i32(&self.device, &[1], &[id as i32])?;
+        let mut queue = Queue::default();
+        let queued = self.queue_each(&session, kv, first, steps, &mut queue);
+        // Wait for what was queued even after a failure, so that nothing the device may still
+        // use is released under it.
+        let waited = queue.last.take().map_or(Ok(()), |last| last.wait());
+        queued?;
+        waited?;
+        queue
+            .tokens
+            .iter()
+            .map(|t| Ok(t.to_i32_vec()?[0] as u32))
+            .collect()
+    }
+
+    /// Queues [`IreeModel::queue_steps`]'s `steps` calls into `queue`, the first fed `input`.
+    fn queue_each(
+        &self,
+        session: &crate::runtime::Session,
+        kv: &mut IreeKv,
+        mut input: BufferView,
+        steps: usize,
+        queue: &mut Queue,
+    ) -> Result<()> {
         for _ in 0..steps {
             let entry = self.entry_for(Role::Ids, 1, kv.len + 1, HEAD_FULL)?;
             let name = self.manifest.entry_points[entry].name.as_str();
@@ -498,25 +526,22 @@ impl IreeModel {
                 valid: (&valid_view, 1),
             };
             let args = self.arguments(&rows, HEAD_FULL, kv, &next);
-            let (mut outs, pending) = session.call_queued(name, &args, prev.as_ref())?;
+            let (mut outs, pending) = session.call_queued(name, &args, queue.last.as_ref())?;
             drop(args);
             kv.bufs = outs.split_off(2);
             kv.len += 1;
             // The next step's `[1]` ids are this step's `next` storage.
             let following = next.reshaped(&[1])?;
-            keep.push((input, pos0_view, valid_view, outs));
-            tokens.push(next);
-            input = following;
-            prev = Some(pending);
+            let inputs = [
+                std::mem::replace(&mut input, following),
+                pos0_view,
+                valid_view,
+            ];
+            queue.kept.push((inputs, outs));
+            queue.tokens.push(next);
+            queue.last = Some(pending);
         }
-        if let Some(last) = prev {
-            last.wait()?;
-        }
-        drop(keep);
-        tokens
-            .iter()
-            .map(|t| Ok(t.to_i32_vec()?[0] as u32))
-            .collect()
+        Ok(())
     }
 
     /// Test-only fault injection: the next operation (on any thread) fails with

@@ -247,7 +247,13 @@ impl Session {
             ));
         }
         let (outs, signal) = self.invoke(function, inputs, after, false)?;
-        let signal = signal.expect("a coarse-fences call has a signal");
+        let signal = signal.ok_or_else(|| {
+            backend_error(
+                self.device.backend(),
+                format!("call {}.{function}", self.module_name),
+                "a coarse-fences call came back without its signal",
+            )
+        })?;
         Ok((
             outs,
             Pending {
