@@ -239,34 +239,29 @@ impl Session {
         inputs: &[Arg],
         after: Option<&Pending>,
     ) -> Result<(Vec<BufferView>, Pending)> {
-        if !self.takes_fences(function)? {
-            return Err(backend_error(
-                self.device.backend(),
-                format!("call {}.{function}", self.module_name),
-                "the function waits for its work inside IREE (not compiled with coarse fences), so it cannot be queued",
-            ));
-        }
+        let op = format!("call {}.{function}", self.module_name);
         let (outs, signal) = self.invoke(function, inputs, after, false)?;
         let signal = signal.ok_or_else(|| {
             backend_error(
                 self.device.backend(),
-                format!("call {}.{function}", self.module_name),
-                "a coarse-fences call came back without its signal",
+                op.clone(),
+                "the call came back without its signal",
             )
         })?;
+        let backend = self.device.backend();
         Ok((
             outs,
             Pending {
                 signal,
-                backend: self.device.backend(),
-                op: format!("call {}.{function}", self.module_name),
+                backend,
+                op,
             },
         ))
     }
 
-    /// Calls `function`: after `after`'s work where given (coarse-fences functions only),
-    /// waiting for its own where `wait`. Returns the results and, for a coarse-fences
-    /// function, its signal.
+    /// Calls `function`: after `after`'s work where given, waiting for its own where `wait`.
+    /// Returns the results and, for a coarse-fences function, its signal. A call that is not
+    /// to wait must be a coarse-fences one (else it is refused before it runs).
     fn invoke(
         &self,
         function: &str,
@@ -277,6 +272,13 @@ impl Session {
         let backend = self.device.backend();
         let op = || format!("call {}.{function}", self.module_name);
         let (resolved, fenced) = self.resolve(function)?;
+        if !fenced && (!wait || after.is_some()) {
+            return Err(backend_error(
+                backend,
+                op(),
+                "the function waits for its work inside IREE (not compiled with coarse fences), so it cannot be queued",
+            ));
+        }
         let foreign = inputs.iter().enumerate().find_map(|(i, a)| match a {
             Arg::View(b) if !b.device().same_device(&self.device) => Some((i, b)),
             _ => None,
@@ -297,15 +299,12 @@ impl Session {
         let input_list = VmList::new(inputs.len(), backend)?;
         for arg in inputs {
             let status = match arg {
-                // SAFETY: the view is live; retain_ref adds a reference that push_ref_move hands
-                // to the list (or that we release if the push fails).
+                // SAFETY: the list and the view are live.
                 Arg::View(view) => unsafe {
-                    let mut r = sys::iree_hal_buffer_view_retain_ref(view.raw());
-                    let status = sys::iree_vm_list_push_ref_move(input_list.0, &mut r);
-                    if !status.is_null() {
-                        sys::iree_vm_ref_release(&mut r);
-                    }
-                    status
+                    push_ref(
+                        &input_list,
+                        sys::iree_hal_buffer_view_retain_ref(view.raw()),
+                    )
                 },
                 Arg::I32(x) => {
                     let value = sys::iree_vm_value_t {
@@ -326,34 +325,15 @@ impl Session {
             // SAFETY: the list is live; a null ref is the absent wait fence, else `after`'s
             // live signal fence.
             let status = unsafe {
-                match after {
-                    None => sys::iree_vm_list_push_ref_move(
-                        input_list.0,
-                        &mut sys::iree_vm_ref_t::default(),
-                    ),
-                    // The list takes the reference retained for it, or the VM releases it
-                    // if the push fails.
-                    Some(p) => {
-                        let mut r = sys::iree_hal_fence_retain_ref(p.signal.fence);
-                        let status = sys::iree_vm_list_push_ref_move(input_list.0, &mut r);
-                        if !status.is_null() {
-                            sys::iree_vm_ref_release(&mut r);
-                        }
-                        status
-                    }
-                }
+                let wait_fence = after.map_or_else(sys::iree_vm_ref_t::default, |p| {
+                    sys::iree_hal_fence_retain_ref(p.signal.fence)
+                });
+                push_ref(&input_list, wait_fence)
             };
             check(backend, fences, status)?;
-            // SAFETY: the list is live; the reference retained for it is handed to it, or
-            // released if the push fails.
-            let status = unsafe {
-                let mut r = sys::iree_hal_fence_retain_ref(signal.fence);
-                let status = sys::iree_vm_list_push_ref_move(input_list.0, &mut r);
-                if !status.is_null() {
-                    sys::iree_vm_ref_release(&mut r);
-                }
-                status
-            };
+            // SAFETY: the list and the signal's fence are live.
+            let status =
+                unsafe { push_ref(&input_list, sys::iree_hal_fence_retain_ref(signal.fence)) };
             check(backend, fences, status)?;
             Some(signal)
         } else {
@@ -510,6 +490,22 @@ impl Drop for Signal {
     fn drop(&mut self) {
         // SAFETY: the one reference `new` created.
         unsafe { sys::iree_hal_fence_release(self.fence) };
+    }
+}
+
+/// Pushes `r`, a reference of ours, onto `list`: the list takes it over, or it is released
+/// if the push fails. Returns the push's status.
+///
+/// # Safety
+/// `list` is live and `r` a valid (or null) reference that the caller gives up.
+unsafe fn push_ref(list: &VmList, mut r: sys::iree_vm_ref_t) -> sys::iree_status_t {
+    // SAFETY: the caller's contract.
+    unsafe {
+        let status = sys::iree_vm_list_push_ref_move(list.0, &mut r);
+        if !status.is_null() {
+            sys::iree_vm_ref_release(&mut r);
+        }
+        status
     }
 }
 
