@@ -282,7 +282,8 @@ impl BufferView {
             )
         })?;
         let op = || format!("view {:?} as {shape:?}", self.shape());
-        if element_count(shape).map(|n| n * elem.size()) != Some(self.byte_length()) {
+        if element_count(shape).and_then(|n| n.checked_mul(elem.size())) != Some(self.byte_length())
+        {
             return Err(backend_error(
                 self.device.backend(),
                 op(),
