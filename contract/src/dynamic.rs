@@ -54,6 +54,9 @@ pub trait DynModel: Send + Sync {
     /// [`KvModel::step`] on the state of `kv`.
     fn step(&self, kv: u64, id: u32, logits: Logits) -> Result<Next>;
 
+    /// [`KvModel::decode`] on the state of `kv`.
+    fn decode(&self, kv: u64, id: u32, steps: usize) -> Result<Vec<u32>>;
+
     /// [`KvModel::snapshot`]; returns the copy's handle.
     fn snapshot(&self, kv: u64) -> Result<u64>;
 
@@ -208,7 +211,7 @@ impl<M: KvModel> Session<M> {
         Ok((self.insert(op, kv, actual)?, next))
     }
 
-    /// Runs `f` (an extend of `n` tokens) on the state of `kv`, counting its growth.
+    /// Runs `f` (an extend of `ids`) on the state of `kv`, counting its growth.
     fn grow(
         &self,
         op: &'static str,
@@ -216,15 +219,25 @@ impl<M: KvModel> Session<M> {
         ids: &[u32],
         f: impl FnOnce(&mut M::Kv) -> Result<Next>,
     ) -> Result<Next> {
+        let cfg = self.model.config();
+        self.grow_by(op, kv, ids.len(), |len| check::tokens(cfg, op, len, ids), f)
+    }
+
+    /// Runs `f`, which appends `n` tokens, on the state of `kv` once `check` (given the
+    /// state's length) accepts them, counting its growth.
+    fn grow_by<T>(
+        &self,
+        op: &'static str,
+        kv: u64,
+        n: usize,
+        check: impl FnOnce(usize) -> Result<()>,
+        f: impl FnOnce(&mut M::Kv) -> Result<T>,
+    ) -> Result<T> {
         self.states.with_mut(op, kv, |s| {
             let len = self.model.len(s);
-            check::tokens(self.model.config(), op, len, ids)?;
+            check(len)?;
             let before = self.model.kv_bytes(s);
-            let predicted = self
-                .model
-                .config()
-                .kv_bytes(len + ids.len())
-                .saturating_sub(before);
+            let predicted = self.model.config().kv_bytes(len + n).saturating_sub(before);
             self.budget.reserve(op, predicted)?;
             // Settle on failure too: a failure midway may have grown the (now poisoned) state,
             // and its release uncounts what it holds then.
@@ -279,6 +292,17 @@ impl<M: KvModel> DynModel for Session<M> {
 
     fn step(&self, kv: u64, id: u32, logits: Logits) -> Result<Next> {
         self.grow("step", kv, &[id], |s| self.model.step(s, id, logits))
+    }
+
+    fn decode(&self, kv: u64, id: u32, steps: usize) -> Result<Vec<u32>> {
+        let cfg = self.model.config();
+        self.grow_by(
+            "decode",
+            kv,
+            steps,
+            |len| check::decode(cfg, len, id, steps),
+            |s| self.model.decode(s, id, steps),
+        )
     }
 
     fn snapshot(&self, kv: u64) -> Result<u64> {
@@ -429,6 +453,31 @@ mod tests {
             Err(Error::Unsupported { backend: "sum", .. })
         ));
         assert_eq!(m.step(h, 2, Logits::Skip).unwrap().token, 3);
+    }
+
+    /// `decode` is a loop of steps, each fed the token before (the trait's default), and
+    /// its input errors (bad id, no steps, no room, past the budget) change nothing.
+    #[test]
+    fn decode_feeds_each_token_to_the_next_step_and_refuses_bad_input_first() {
+        let bytes = |n| Sum::new().cfg.kv_bytes(n);
+        let m = Session::new(Sum::new()).with_kv_budget(bytes(8));
+        let (h, first) = m.prefill(&[1, 2], Logits::Skip).unwrap();
+        // Sums: [1, 2, 3] = 6, + 6 = 12 -> 2, + 2 = 14 -> 4.
+        assert_eq!(m.decode(h, first.token, 3).unwrap(), vec![6, 2, 4]);
+        assert_eq!(m.len(h).unwrap(), 5);
+        assert_eq!(m.live_kv_bytes(), bytes(5));
+        for (result, kind) in [
+            (m.decode(h, 10, 1), "token_out_of_range"),
+            (m.decode(h, 4, 0), "empty_input"),
+            (m.decode(h, 4, 12), "context_overflow"),
+            (m.decode(h, 4, 4), "kv_budget"),
+        ] {
+            let e = result.unwrap_err();
+            assert_eq!(e.kind(), kind, "{e}");
+            assert!(e.to_string().starts_with("decode: "), "{e}");
+        }
+        assert_eq!((m.len(h).unwrap(), m.live_kv_bytes()), (5, bytes(5)));
+        assert_eq!(m.decode(h, 4, 3).unwrap(), vec![8, 6, 2]);
     }
 
     #[test]

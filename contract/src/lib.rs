@@ -16,5 +16,5 @@ pub use config::{LayerKind, ModelConfig, DEFAULT_CONTEXT_CAPACITY, MAX_LAYERS};
 pub use dynamic::{DynModel, Session};
 pub use error::{Error, Result};
 pub use handles::HandleTable;
-pub use model::{argmax, check, KvModel, Logits, Next};
+pub use model::{argmax, check, decode_by_steps, KvModel, Logits, Next};
 pub use tolerance::Tolerance;

@@ -87,6 +87,17 @@ pub trait KvModel: Send + Sync {
         self.extend(kv, &[id], logits)
     }
 
+    /// Greedy-decodes `steps` tokens: appends `id`, then each token the step before returned,
+    /// and returns the `steps` tokens in order: what `steps` calls of [`KvModel::step`] return,
+    /// each fed the previous one's token (`kv` grows by `steps`; the last token is not
+    /// appended). A backend may run the steps without a round trip to the host between them.
+    ///
+    /// Errors: as [`KvModel::step`] for `id`, [`Error::EmptyInput`] for no steps,
+    /// [`Error::ContextOverflow`] where the steps do not fit, all before anything changes.
+    fn decode(&self, kv: &mut Self::Kv, id: u32, steps: usize) -> Result<Vec<u32>> {
+        decode_by_steps(self, kv, id, steps)
+    }
+
     /// An independent copy of `kv`.
     fn snapshot(&self, kv: &Self::Kv) -> Result<Self::Kv>;
 
@@ -103,6 +114,24 @@ pub trait KvModel: Send + Sync {
     fn kv_bytes(&self, kv: &Self::Kv) -> u64 {
         self.config().kv_bytes(self.len(kv))
     }
+}
+
+/// [`KvModel::decode`] as a loop of [`KvModel::step`], after [`check::decode`]: the trait's
+/// default, for a backend that runs its own decode on some targets only.
+pub fn decode_by_steps<M: KvModel + ?Sized>(
+    model: &M,
+    kv: &mut M::Kv,
+    id: u32,
+    steps: usize,
+) -> Result<Vec<u32>> {
+    check::decode(model.config(), model.len(kv), id, steps)?;
+    let mut tokens = Vec::with_capacity(steps);
+    let mut next = id;
+    for _ in 0..steps {
+        next = model.step(kv, next, Logits::Skip)?.token;
+        tokens.push(next);
+    }
+    Ok(tokens)
 }
 
 /// Input checks shared by every backend, so that all of them reject the same inputs with the
@@ -132,6 +161,25 @@ pub mod check {
                 op,
                 have,
                 adding: ids.len(),
+                capacity: cfg.context_capacity,
+            });
+        }
+        Ok(())
+    }
+
+    /// Checks a greedy decode of `steps` steps from `id` after `have` cached tokens
+    /// ([`KvModel::decode`]): `id` in vocab range, at least one step, and room for them all.
+    pub fn decode(cfg: &ModelConfig, have: usize, id: u32, steps: usize) -> Result<()> {
+        const OP: &str = "decode";
+        tokens(cfg, OP, have, &[id])?;
+        if steps == 0 {
+            return Err(Error::EmptyInput { op: OP });
+        }
+        if have + steps > cfg.context_capacity {
+            return Err(Error::ContextOverflow {
+                op: OP,
+                have,
+                adding: steps,
                 capacity: cfg.context_capacity,
             });
         }

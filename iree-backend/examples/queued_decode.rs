@@ -65,6 +65,13 @@ fn main() -> kvsnap_contract::Result<()> {
                 t_queued.as_secs_f64() * 1e3 / steps as f64
             );
         }
+        let used: Vec<String> = model
+            .entry_calls()
+            .into_iter()
+            .filter(|(_, n)| *n > 0)
+            .map(|(name, n)| format!("{name} x{n}"))
+            .collect();
+        println!("{target:?} entry points called: {}", used.join(", "));
     }
     Ok(())
 }

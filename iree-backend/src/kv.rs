@@ -113,6 +113,20 @@ impl IreeKv {
         }
     }
 
+    /// Records a multi-step decode call of `steps` one-row steps (padding included) about to
+    /// run at the state's end: step `i` writes full-layer row `len + i` and ring row
+    /// `(len + i) % modulus`, so the contents get a new stamp.
+    pub(crate) fn will_write_steps(&mut self, steps: usize) {
+        let pool = &self.pool;
+        self.written = self.written.max((self.len + steps).min(pool.capacity));
+        self.stamp = pool.next_stamp();
+        if let Some(since) = &mut self.since {
+            for i in 0..steps {
+                since.ring_rows[(self.len + i) % pool.ring.modulus] = true;
+            }
+        }
+    }
+
     /// After a chunk call of `rows` rows (padding included) at the state's end (before its
     /// length counts them), if it wrote the rings past their modulus: moves each ring's rows
     /// past the modulus to the rows their positions map to, `p % modulus`, and empties them in

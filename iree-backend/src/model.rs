@@ -287,11 +287,12 @@ struct ChunkRows<'a> {
 }
 
 /// What [`IreeModel::decode_queued`] has queued: each call's inputs and results, kept alive
-/// until the last call is done; each call's token storage, in order; the last call.
+/// until the last call is done; each call's tokens; the last call.
 #[derive(Default)]
 struct Queue {
     kept: Vec<([BufferView; 3], Vec<BufferView>)>,
-    tokens: Vec<BufferView>,
+    /// Each call's token storage and the tokens wanted of it.
+    tokens: Vec<(BufferView, usize)>,
     last: Option<Pending>,
 }
 
@@ -445,28 +446,19 @@ impl IreeModel {
     /// there, so the host queues step k+1 while the device runs step k; the tokens are read
     /// once the last step is done. Returns the `steps` tokens, in order.
     ///
-    /// The steps run the ids-input decode step with the full head: on Vulkan `chunk_ids_c1`
-    /// (it attends over the whole capacity, there are no span entry points for ids there), on
-    /// llvm-cpu the span entry points, but not the screened head (an unsettled screen reruns
-    /// its chunk, which a queued step cannot).
+    /// Each call runs a multi-step decode entry point where the module has one whose steps fit
+    /// (Vulkan's, [`graphs::GraphOptions::decode_steps`]: up to 16 steps in one queue
+    /// submission, the last call's surplus steps padding), else one ids-input decode step
+    /// with the full head: on Vulkan `chunk_ids_c1` (over the whole capacity), on llvm-cpu
+    /// the span entry points, but not the screened head (an unsettled screen reruns its
+    /// chunk, which a queued step cannot).
     ///
     /// Errors: as [`KvModel::step`] for `id`, [`Error::EmptyInput`] for no steps and
     /// [`Error::ContextOverflow`] where the steps would not fit, all before anything runs; a
     /// device failure poisons `kv` ([`Error::Poisoned`] afterwards).
     pub fn decode_queued(&self, kv: &mut IreeKv, id: u32, steps: usize) -> Result<Vec<u32>> {
-        const OP: &str = "decode_queued";
-        check::tokens(&self.cfg, OP, kv.len, &[id])?;
-        if steps == 0 {
-            return Err(Error::EmptyInput { op: OP });
-        }
-        if kv.len + steps > self.cfg.context_capacity {
-            return Err(Error::ContextOverflow {
-                op: OP,
-                have: kv.len,
-                adding: steps,
-                capacity: self.cfg.context_capacity,
-            });
-        }
+        const OP: &str = "decode";
+        check::decode(&self.cfg, kv.len, id, steps)?;
         if let Some(cause) = &kv.poisoned {
             return Err(Error::Poisoned {
                 op: OP,
@@ -495,11 +487,11 @@ impl IreeModel {
         let waited = queue.last.take().map_or(Ok(()), |last| last.wait());
         queued?;
         waited?;
-        queue
-            .tokens
-            .iter()
-            .map(|t| Ok(t.to_i32_vec()?[0] as u32))
-            .collect()
+        let mut tokens = Vec::with_capacity(steps);
+        for (storage, n) in &queue.tokens {
+            tokens.extend(storage.to_i32_vec()?[..*n].iter().map(|&t| t as u32));
+        }
+        Ok(tokens)
     }
 
     /// Queues [`IreeModel::queue_steps`]'s `steps` calls into `queue`, the first fed `input`.
@@ -511,26 +503,38 @@ impl IreeModel {
         steps: usize,
         queue: &mut Queue,
     ) -> Result<()> {
-        for _ in 0..steps {
-            let entry = self.entry_for(Role::Ids, 1, kv.len + 1, HEAD_FULL)?;
+        let mut left = steps;
+        while left > 0 {
+            // A multi-step call where one fits, padding included; else one step.
+            let entry = match self.manifest.decode_entry_index(kv.len) {
+                Some(entry) => entry,
+                None => self.entry_for(Role::Ids, 1, kv.len + 1, HEAD_FULL)?,
+            };
+            let width = self.manifest.entry_points[entry].steps;
+            let n = left.min(width);
             let name = self.manifest.entry_points[entry].name.as_str();
             self.entry_calls[entry].fetch_add(1, Ordering::Relaxed);
             let pos0 = kv.len as i32;
             let pos0_view = BufferView::input_i32(&self.device, &[], &[pos0])?;
-            let valid_view = BufferView::input_i32(&self.device, &[], &[1])?;
+            let valid_view = BufferView::input_i32(&self.device, &[], &[n as i32])?;
             let next = BufferView::host_result(&self.device, &[], ElementType::I32)?;
-            kv.will_write(1);
+            let tokens = (width > 1)
+                .then(|| BufferView::host_result(&self.device, &[width], ElementType::I32))
+                .transpose()?;
+            kv.will_write_steps(width);
             let rows = ChunkRows {
                 input: &input,
                 pos0: (&pos0_view, pos0),
-                valid: (&valid_view, 1),
+                valid: (&valid_view, n as i32),
             };
-            let args = self.arguments(&rows, HEAD_FULL, kv, &next);
+            let mut args = self.arguments(&rows, HEAD_FULL, kv, &next);
+            args.extend(tokens.as_ref().map(Arg::View));
             let (mut outs, pending) = session.call_queued(name, &args, queue.last.as_ref())?;
             drop(args);
             kv.bufs = outs.split_off(2);
-            kv.len += 1;
-            // The next step's `[1]` ids are this step's `next` storage.
+            kv.len += n;
+            left -= n;
+            // The next call's `[1]` ids are this call's `next` storage.
             let following = next.reshaped(&[1])?;
             let inputs = [
                 std::mem::replace(&mut input, following),
@@ -538,7 +542,7 @@ impl IreeModel {
                 valid_view,
             ];
             queue.kept.push((inputs, outs));
-            queue.tokens.push(next);
+            queue.tokens.push((tokens.unwrap_or(next), n));
             queue.last = Some(pending);
         }
         Ok(())
@@ -951,6 +955,17 @@ impl KvModel for IreeModel {
     fn step(&self, kv: &mut IreeKv, id: u32, logits: Logits) -> Result<Next> {
         check::tokens(&self.cfg, "step", kv.len, &[id])?;
         self.forward_ids("step", kv, &[id], logits)
+    }
+
+    /// On Vulkan [`IreeModel::decode_queued`]: the multi-step decode entry points, one queue
+    /// submission for up to [`graphs::DECODE_STEPS`] steps. On llvm-cpu a loop of
+    /// [`KvModel::step`], whose screened head costs less than the full head a queued step
+    /// needs, and whose host has nothing to overlap (docs/BENCHMARKS.md, forty-third pass).
+    fn decode(&self, kv: &mut IreeKv, id: u32, steps: usize) -> Result<Vec<u32>> {
+        match self.target {
+            Target::VulkanSpirv => self.decode_queued(kv, id, steps),
+            Target::LlvmCpu => kvsnap_contract::decode_by_steps(self, kv, id, steps),
+        }
     }
 
     fn snapshot(&self, kv: &IreeKv) -> Result<IreeKv> {

@@ -12,8 +12,8 @@ use kvsnap_contract::{LayerKind, ModelConfig};
 use kvsnap_iree::compile::{Compiler, LinkedObject};
 use kvsnap_iree::emit::{Cmp, DotDims, ElemType, FuncBuilder, Module, Reduction, TensorType};
 use kvsnap_iree::graphs::{
-    self, entry_name, head_modes, span_entry_name, DType, GraphOptions, HeadMode, Input, Role,
-    WeightLayout, DEFAULT_CHUNKS, HEAD_FULL, HEAD_NONE, HEAD_SCREEN, PROJECTION_LANES,
+    self, entry_name, head_modes, span_entry_name, DType, EntryPoint, GraphOptions, HeadMode,
+    Input, Role, WeightLayout, DEFAULT_CHUNKS, HEAD_FULL, HEAD_NONE, HEAD_SCREEN, PROJECTION_LANES,
     SCREEN_BLOCKS, SCREEN_WEIGHTS, TABLE_LANES,
 };
 use kvsnap_reference::tiny::{config, Preset};
@@ -705,9 +705,41 @@ fn graphs_build_for_tiny_and_real_configs_with_the_head_sliced() {
         // logits, neither branching on the head.
         let step_variants = head_modes(opts, 1).len();
         assert_eq!(step_variants, if opts.screen { 2 } else { 1 });
+        // Vulkan's multi-step decode entry points: 16 steps of token ids with the full head,
+        // over a quarter of the capacity and over all of it; their second result every step's
+        // token, stored in the last argument.
+        let multi: Vec<&EntryPoint> = g
+            .manifest
+            .entry_points
+            .iter()
+            .filter(|e| e.steps > 1)
+            .collect();
+        let multi_spans: Vec<usize> = multi.iter().map(|e| e.span).collect();
+        let want_spans = match opts.decode_steps {
+            0 => Vec::new(),
+            _ => vec![capacity / 4, capacity],
+        };
+        assert_eq!(multi_spans, want_spans);
+        for e in &multi {
+            let k = opts.decode_steps;
+            assert_eq!(
+                (e.steps, e.chunk, e.input, e.head),
+                (k, 1, Role::Ids, HeadMode::Full)
+            );
+            assert_eq!(
+                (e.results[1].role, &e.results[1].dims),
+                (Role::Tokens, &vec![k])
+            );
+            let last = e.args.last().unwrap();
+            assert_eq!((last.role, &last.dims), (Role::TokensOut, &vec![k]));
+            let body = function_of(&g.mlir, &e.name);
+            assert_eq!(body.matches("stablehlo.if").count(), 0, "{}", e.name);
+        }
         assert_eq!(
             g.manifest.entry_points.len(),
-            DEFAULT_CHUNKS.len() + 2 + step_variants * (steps.len() + 1) - 1 + long.len()
+            DEFAULT_CHUNKS.len() + 2 + step_variants * (steps.len() + 1) - 1
+                + long.len()
+                + multi.len()
         );
         let (kvh, group) = (cfg.num_key_value_heads, cfg.group_size());
         let spanned = steps

@@ -90,6 +90,7 @@ per_target!(
     both_input_kinds_serve_every_operation,
     steps_through_every_global_span_match_the_reference,
     queued_decode_matches_the_reference,
+    decode_to_the_capacity_matches_the_reference,
 );
 
 /// Deterministic token ids in the tiny vocab.
@@ -266,6 +267,71 @@ fn queued_decode_matches_the_reference(p: &Pair) {
     let want_after = p.reference.step(&mut b, next, r).unwrap();
     assert_close("the step after the queued ones", &after, &want_after);
     assert_eq!(p.iree.kv_copies(), 0, "KV results in new buffers");
+}
+
+/// [`KvModel::decode`] from a 10-token prefix to the capacity, against the reference's steps.
+/// On Vulkan it runs the multi-step decode entry points (checked by their calls), of every
+/// span, then single steps where 16 no longer fit before the capacity; on llvm-cpu a loop of
+/// screened steps. The step after it matches too, so the state is the reference's.
+fn decode_to_the_capacity_matches_the_reference(p: &Pair) {
+    let cap = p.iree.config().context_capacity;
+    let seq = ids(10, 3);
+    let (mut a, first) = p.iree.prefill(&seq, Logits::Skip).unwrap();
+    let (mut b, want_first) = p.reference.prefill(&seq, Logits::Skip).unwrap();
+    assert_eq!(first.token, want_first.token, "prefill");
+    let calls_before = multi_step_calls(p);
+    let got = p.iree.decode(&mut a, first.token, cap - 10).unwrap();
+    let mut want = Vec::new();
+    let mut t = first.token;
+    for _ in 10..cap {
+        t = p.reference.step(&mut b, t, Logits::Skip).unwrap().token;
+        want.push(t);
+    }
+    assert_eq!(got, want, "decoded tokens against the reference's steps");
+    assert_eq!(p.iree.len(&a), cap);
+    let multi = p.iree.manifest().entry_points.iter().any(|e| e.steps > 1);
+    assert_eq!(
+        multi,
+        p.iree.backend() == "iree-vulkan",
+        "multi-step entry points"
+    );
+    if multi {
+        let calls = multi_step_calls(p) - calls_before;
+        let wanted = (cap as u64 - 10) / 16;
+        assert!(
+            calls >= wanted,
+            "{calls} multi-step calls for {} steps",
+            cap - 10
+        );
+    }
+    let last = *got.last().unwrap();
+    assert!(matches!(
+        p.iree.decode(&mut a, last, 1),
+        Err(Error::ContextOverflow { .. })
+    ));
+    // Again from the same prefix, 40 steps (on Vulkan 16 + 16 + 8, the last call half padding).
+    let (mut c, _) = p.iree.prefill(&seq, Logits::Skip).unwrap();
+    let again = p.iree.decode(&mut c, first.token, 40).unwrap();
+    assert_eq!(again, want[..40], "a second decode from the same prefix");
+    let r = Logits::Return;
+    let after = p.iree.step(&mut c, again[39], r).unwrap();
+    let (mut d, _) = p.reference.prefill(&seq, Logits::Skip).unwrap();
+    let mut t = first.token;
+    for _ in 0..40 {
+        t = p.reference.step(&mut d, t, Logits::Skip).unwrap().token;
+    }
+    let want_after = p.reference.step(&mut d, t, r).unwrap();
+    assert_close("the step after a decode", &after, &want_after);
+}
+
+/// Calls of the model's multi-step decode entry points so far.
+fn multi_step_calls(p: &Pair) -> u64 {
+    p.iree
+        .entry_calls()
+        .into_iter()
+        .filter(|(name, _)| name.starts_with("decode_ids_k"))
+        .map(|(_, n)| n)
+        .sum()
 }
 
 /// Decode steps from a short prefix to the capacity: on llvm-cpu each runs the step entry point

@@ -47,6 +47,20 @@ fn read_ids(
     Ok(token_ids(op, &raw, vocab)?)
 }
 
+/// A new Java `int[]` holding `values`.
+fn int_array(
+    env: &mut JNIEnv<'_>,
+    op: &'static str,
+    values: &[jint],
+) -> BridgeResult<jni::sys::jintArray> {
+    let out = env
+        .new_int_array(values.len() as jint)
+        .map_err(BridgeError::jni(op))?;
+    env.set_int_array_region(&out, 0, values)
+        .map_err(BridgeError::jni(op))?;
+    Ok(out.into_raw())
+}
+
 fn read_floats(
     env: &mut JNIEnv<'_>,
     op: &'static str,
@@ -178,10 +192,7 @@ pub extern "system" fn Java_dev_kvsnap_Native_config<'l>(
             to_jint(op, "hidden size", cfg.hidden_size)?,
             to_jint(op, "context capacity", cfg.context_capacity)?,
         ];
-        let out = env.new_int_array(3).map_err(BridgeError::jni(op))?;
-        env.set_int_array_region(&out, 0, &values)
-            .map_err(BridgeError::jni(op))?;
-        Ok(out.into_raw())
+        int_array(env, op, &values)
     })
 }
 
@@ -276,6 +287,30 @@ pub extern "system" fn Java_dev_kvsnap_Native_step<'l>(
         let id = token_ids(op, &[id], m.session.config().vocab_size)?[0];
         let next = m.session.step(kv as u64, id, Logits::Skip)?;
         Ok(next.token as jint)
+    })
+}
+
+/// `int[] decode(long model, long kv, int id, int steps)`: the `steps` greedy tokens after `id`.
+#[no_mangle]
+pub extern "system" fn Java_dev_kvsnap_Native_decode<'l>(
+    mut env: JNIEnv<'l>,
+    _class: JClass<'l>,
+    model: jlong,
+    kv: jlong,
+    id: jint,
+    steps: jint,
+) -> jni::sys::jintArray {
+    bridge(&mut env, "decode", |env| {
+        let op = "decode";
+        let m = models::get(op, model as u64)?;
+        let id = token_ids(op, &[id], m.session.config().vocab_size)?[0];
+        let steps = usize::try_from(steps).map_err(|_| BridgeError::BadArgument {
+            op,
+            problem: format!("steps must be at least 0, got {steps}"),
+        })?;
+        let tokens = m.session.decode(kv as u64, id, steps)?;
+        let values: Vec<jint> = tokens.iter().map(|&t| t as jint).collect();
+        int_array(env, op, &values)
     })
 }
 

@@ -728,6 +728,25 @@ impl<'a> Forward<'a> {
         (x, k_buf, v_buf)
     }
 
+    /// The decoder layers over the chunk's rows `x`, each with its K and V buffers in `kv`
+    /// (K then V per layer); returns the last residual and the updated buffers, in `kv`'s
+    /// order.
+    pub fn layers(
+        &mut self,
+        weights: &[LayerWeights],
+        ch: &Chunk,
+        mut x: Value,
+        kv: &[Value],
+    ) -> (Value, Vec<Value>) {
+        let mut kv_out = Vec::with_capacity(kv.len());
+        for (layer, w) in weights.iter().enumerate() {
+            let (nx, k, v) = self.layer(layer, w, ch, &x, &kv[2 * layer], &kv[2 * layer + 1]);
+            x = nx;
+            kv_out.extend([k, v]);
+        }
+        (x, kv_out)
+    }
+
     /// `down(gelu_tanh(gate(x)) * up(x))`, GELU written as the reference's `gelu_tanh`.
     fn mlp(&mut self, w: &LayerWeights, x: &Value) -> Value {
         let ffn = self.cfg.intermediate_size;

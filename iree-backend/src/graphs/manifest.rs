@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 /// Format name written into every manifest.
 pub const MANIFEST_FORMAT: &str = "kvsnap-iree-graphs";
 /// Version of the manifest layout and of the entry-point conventions it describes.
-pub const MANIFEST_VERSION: u32 = 10;
+pub const MANIFEST_VERSION: u32 = 11;
 
 /// Element type of an argument or result.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -67,8 +67,15 @@ pub enum Role {
     /// that reading the token back is a read of that memory, not a queue operation and a wait
     /// after each call.
     NextOut,
-    /// `next: [] i32` greedy argmax of the last valid row's logits.
+    /// `tokens_out: [steps] i32`, after [`Role::NextOut`] in a multi-step decode entry point
+    /// ([`EntryPoint::steps`]): the storage [`Role::Tokens`] is written to, host memory too.
+    TokensOut,
+    /// `next: [] i32` greedy argmax of the last valid row's logits (of a multi-step decode
+    /// entry point: the last wanted step's token).
     Next,
+    /// `tokens: [steps] i32` every step's token, of a multi-step decode entry point (in place
+    /// of [`Role::Logits`]); those of the steps past `valid` repeat the last wanted one.
+    Tokens,
     /// `logits: [vocab] f32` of the last valid row.
     Logits,
 }
@@ -328,6 +335,10 @@ pub struct EntryPoint {
     pub name: String,
     /// Rows per call (`C`); `C = 1` is the decode step.
     pub chunk: usize,
+    /// Greedy decode steps per call: 1 for a chunk; more for a multi-step decode entry point
+    /// (`decode_ids_k{steps}`), whose `valid` argument is the number of steps wanted and whose
+    /// second result is every step's token ([`Role::Tokens`]).
+    pub steps: usize,
     /// `Ids` or `Embeddings`: the role of the first argument.
     pub input: Role,
     /// The rows of the KV buffers it may attend over: a call's chunk must end at or before
@@ -373,12 +384,13 @@ pub struct Manifest {
 }
 
 impl Manifest {
-    /// The chunk sizes with an entry point for `input` (`Ids` or `Embeddings`), ascending.
+    /// The chunk sizes with a chunk entry point (not a multi-step decode's) for `input` (`Ids`
+    /// or `Embeddings`), ascending.
     pub fn chunks_for(&self, input: Role) -> Vec<usize> {
         let mut chunks: Vec<usize> = self
             .entry_points
             .iter()
-            .filter(|e| e.input == input)
+            .filter(|e| e.input == input && e.steps == 1)
             .map(|e| e.chunk)
             .collect();
         chunks.dedup();
@@ -415,10 +427,23 @@ impl Manifest {
         self.entry_points
             .iter()
             .enumerate()
-            .filter(|(_, e)| e.input == input && e.chunk == chunk && e.span >= end)
+            .filter(|(_, e)| e.steps == 1 && e.input == input && e.chunk == chunk)
+            .filter(|(_, e)| e.span >= end)
             .filter(|(_, e)| e.head.serves(head))
             // The shortest span; at one span, the mode that computes least.
             .min_by_key(|(_, e)| (e.span, e.head))
+            .map(|(i, _)| i)
+    }
+
+    /// The index in [`Manifest::entry_points`] of the multi-step decode entry point whose steps
+    /// (all of them, padding included) fit before row `span`, the shortest span first; `None`
+    /// where the module has none or none fits.
+    pub fn decode_entry_index(&self, pos0: usize) -> Option<usize> {
+        self.entry_points
+            .iter()
+            .enumerate()
+            .filter(|(_, e)| e.steps > 1 && pos0 + e.steps <= e.span)
+            .min_by_key(|(_, e)| e.span)
             .map(|(i, _)| i)
     }
 }

@@ -54,7 +54,7 @@ mod tuning;
 use kvsnap_contract::ModelConfig;
 
 use crate::compile::LinkedObject;
-use crate::emit::{ElemType, FuncBuilder, Module, TensorType, Value};
+use crate::emit::{Cmp, ElemType, FuncBuilder, Module, Scalar, TensorType, Value};
 use crate::kernels;
 use forward::{Forward, LayerWeights, Screen};
 pub use forward::{SCREEN_BLOCK, SCREEN_BLOCKS};
@@ -75,6 +75,9 @@ pub use tuning::llvm_cpu_tuning_spec;
 /// catalog prefix 1.29-1.32 -> 1.18-1.20 s on an AVX-512 Xeon (twenty-first pass), for a
 /// sliding ring of 768 rows instead of 640 (window + twice the largest chunk).
 pub const DEFAULT_CHUNKS: [usize; 7] = [1, 8, 16, 24, 32, 64, 128];
+
+/// The steps of Vulkan's multi-step decode entry points ([`GraphOptions::decode_steps`]).
+pub const DECODE_STEPS: usize = 16;
 
 /// Which input an entry point takes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -106,6 +109,15 @@ pub fn entry_name(input: Input, chunk: usize) -> String {
 /// first `span` rows of the KV buffers only ([`GraphOptions::spans`]): `chunk_ids_c1_s512`.
 pub fn span_entry_name(input: Input, chunk: usize, span: usize) -> String {
     format!("{}_s{span}", entry_name(input, chunk))
+}
+
+/// The name of the multi-step decode entry point of `steps` steps that attends over the first
+/// `span` rows of the KV buffers (none: the capacity): `decode_ids_k16`, `decode_ids_k16_s1024`.
+pub fn decode_entry_name(steps: usize, span: Option<usize>) -> String {
+    match span {
+        Some(span) => format!("decode_ids_k{steps}_s{span}"),
+        None => format!("decode_ids_k{steps}"),
+    }
 }
 
 /// The head modes of the token-id entry points for chunks of `c` rows: the decode step of a
@@ -169,6 +181,12 @@ pub struct GraphOptions {
     /// capture the host's predicates anyway and whose step it did not change
     /// (docs/BENCHMARKS.md, forty-first pass).
     pub device_rows: bool,
+    /// Steps of the multi-step decode entry points ([`decode_entry_name`]), 0 for none: each
+    /// runs up to this many greedy steps in one call, every step's id the previous step's
+    /// token on the device, so the steps are one queue submission and the host waits once.
+    /// On Vulkan a call's host work and the wake-ups around it were about half of a decode
+    /// step (docs/BENCHMARKS.md, forty-second to forty-fourth passes).
+    pub decode_steps: usize,
 }
 
 impl GraphOptions {
@@ -183,6 +201,7 @@ impl GraphOptions {
             own_kernels: kernels::kernel_object(),
             key_blocks: false,
             device_rows: false,
+            decode_steps: 0,
         }
     }
 
@@ -197,6 +216,7 @@ impl GraphOptions {
             own_kernels: None,
             key_blocks: true,
             device_rows: true,
+            decode_steps: DECODE_STEPS,
         }
     }
 
@@ -334,6 +354,13 @@ pub fn build(cfg: &ModelConfig, chunks: &[usize], opts: GraphOptions) -> Graphs 
             }
         }
     }
+    if opts.decode_steps > 0 {
+        for span in decode_spans(cfg.context_capacity, opts.decode_steps) {
+            let (text, entry) = decode_entry_point(cfg, opts.decode_steps, ring, opts, span);
+            module.push(text);
+            entry_points.push(entry);
+        }
+    }
     let attention = attention_products(cfg, &chunks, ring, opts);
     Graphs {
         mlir: module.text(),
@@ -351,6 +378,21 @@ pub fn build(cfg: &ModelConfig, chunks: &[usize], opts: GraphOptions) -> Graphs 
             entry_points,
         },
     }
+}
+
+/// The spans of the multi-step decode entry points of `steps` steps: a quarter of the capacity
+/// (where it holds a call's steps) and `None`, the capacity. Each such entry point is `steps`
+/// decode steps to compile (about a minute on 2 cores for the real shapes' 16), and on a GPU
+/// a step's attention over a quarter or a half of Gemma 3 270M's capacity took the same time
+/// (docs/BENCHMARKS.md, thirty-seventh pass): two spans, not the decode step's four.
+fn decode_spans(capacity: usize, steps: usize) -> Vec<Option<usize>> {
+    let quarter = capacity / 4;
+    let mut spans: Vec<Option<usize>> = (quarter >= steps && quarter < capacity)
+        .then_some(Some(quarter))
+        .into_iter()
+        .collect();
+    spans.push(None);
+    spans
 }
 
 /// The `(M, rows)` of each attention product `P [M, rows] . V [rows, head_dim]` the chunks of
@@ -479,6 +521,156 @@ fn entry_point(
         Input::Ids => spec("ids", Role::Ids, &[c], DType::I32),
         Input::Embeddings => spec("emb", Role::Embeddings, &[c, cfg.hidden_size], DType::F32),
     };
+    let mut args = common_args(cfg, first, ring, opts);
+    args.push(spec("next_out", Role::NextOut, &[], DType::I32));
+    let mut results = vec![
+        spec("next", Role::Next, &[], DType::I32),
+        spec("logits", Role::Logits, &[cfg.vocab_size], DType::F32),
+    ];
+    results.extend(kv_specs(cfg, ring));
+
+    let mut name = match span {
+        Some(span) => span_entry_name(input, c, span),
+        None => entry_name(input, c),
+    };
+    if head_mode == HeadMode::Full {
+        name.push_str("_logits");
+    }
+    let mut b = FuncBuilder::new(&name);
+    let a = EntryArgs::bind(&mut b, cfg, opts, &args);
+    let mut f = Forward { b, cfg, opts, span };
+    let (ch, positions) = f.chunk(
+        c,
+        (a.pos0, a.valid),
+        (a.pos0_host, a.valid_host),
+        &a.positions,
+        ring,
+    );
+    let rows = match input {
+        Input::Ids => f.gather(&a.embed, &a.input),
+        Input::Embeddings => a.input,
+    };
+    let x = f.embed(&rows);
+    let (x, kv_out) = f.layers(&a.layers, &ch, x, &a.kv);
+    let (next, logits) = match (head_mode, &a.screen) {
+        (HeadMode::Screen, Some(screen)) => f.screened(screen, &ch, &x, &a.norm, &a.embed),
+        (HeadMode::Full, _) => f.head(&ch, &x, &a.norm, &a.embed),
+        _ => f.head_if(&a.head, &ch, &x, &a.norm, &a.embed, a.screen.as_ref()),
+    };
+    let mut outs = vec![&next, &logits];
+    outs.extend(kv_out.iter());
+    outs.push(&positions);
+    let text = f.b.finish(&outs);
+    (
+        text,
+        EntryPoint {
+            name,
+            chunk: c,
+            steps: 1,
+            input: args[0].role,
+            span: span.unwrap_or(cfg.context_capacity),
+            head: head_mode,
+            args,
+            results,
+        },
+    )
+}
+
+/// The function text and manifest entry of the multi-step decode entry point of `steps`
+/// steps ([`decode_entry_name`]): `steps` one-row chunks with the full head, step `i` at
+/// `pos0 + i` fed the token of step `i - 1` (step 0 the `ids` argument), all in one call.
+///
+/// Its `valid` argument is the number of steps wanted, `1..=steps`: the steps past it run as
+/// padding rows (`valid` 0: the ring's positions table marks their rows empty, their global
+/// rows lie past the valid end, masked until overwritten) and repeat the last wanted token,
+/// so `next` is always the last wanted step's token. `tokens` holds every step's token.
+/// A call must fit `pos0 + steps <= span`, padding included.
+fn decode_entry_point(
+    cfg: &ModelConfig,
+    steps: usize,
+    ring: RingGeometry,
+    opts: GraphOptions,
+    span: Option<usize>,
+) -> (String, EntryPoint) {
+    let mut args = common_args(cfg, spec("ids", Role::Ids, &[1], DType::I32), ring, opts);
+    args.push(spec("next_out", Role::NextOut, &[], DType::I32));
+    args.push(spec("tokens_out", Role::TokensOut, &[steps], DType::I32));
+    let mut results = vec![
+        spec("next", Role::Next, &[], DType::I32),
+        spec("tokens", Role::Tokens, &[steps], DType::I32),
+    ];
+    results.extend(kv_specs(cfg, ring));
+
+    let name = decode_entry_name(steps, span);
+    let mut b = FuncBuilder::new(&name);
+    let a = EntryArgs::bind(&mut b, cfg, opts, &args);
+    let mut f = Forward { b, cfg, opts, span };
+    let mut ids = a.input.clone();
+    let mut kv = a.kv.clone();
+    let mut positions = a.positions.clone();
+    let mut next: Option<Value> = None;
+    let mut tokens = Vec::with_capacity(steps);
+    for i in 0..steps {
+        // Step i's position and whether it is wanted (`valid` 1) or padding (0).
+        let offset = f.b.const_i32(i as i32, &[]);
+        let pos0 = f.b.add(&a.pos0, &offset);
+        let wanted = f.b.compare(Cmp::Gt, &a.valid, &offset);
+        let [one, zero] = [1, 0].map(|v| f.b.const_i32(v, &[]));
+        let valid = f.b.select(&wanted, &one, &zero);
+        let host_offset = f.b.scalar_i32(i as i32);
+        let pos0_host = f.b.scalar_add(&a.pos0_host, &host_offset);
+        let (ch, written) = f.chunk(
+            1,
+            (pos0, valid),
+            (pos0_host, a.valid_host.clone()),
+            &positions,
+            ring,
+        );
+        positions = written;
+        let rows = f.gather(&a.embed, &ids);
+        let x = f.embed(&rows);
+        let (x, kv_out) = f.layers(&a.layers, &ch, x, &kv);
+        kv = kv_out;
+        let (token, _) = f.head(&ch, &x, &a.norm, &a.embed);
+        let token = match &next {
+            Some(previous) => f.b.select(&wanted, &token, previous),
+            None => token,
+        };
+        ids = f.b.reshape(&token, &[1]);
+        tokens.push(ids.clone());
+        next = Some(token);
+    }
+    let next = next.expect("steps >= 1");
+    let token_refs: Vec<&Value> = tokens.iter().collect();
+    let tokens = f.b.concatenate(&token_refs, 0);
+    let mut outs = vec![&next, &tokens];
+    outs.extend(kv.iter());
+    outs.push(&positions);
+    let text = f.b.finish(&outs);
+    (
+        text,
+        EntryPoint {
+            name,
+            chunk: 1,
+            steps,
+            input: Role::Ids,
+            span: span.unwrap_or(cfg.context_capacity),
+            head: HeadMode::Full,
+            args,
+            results,
+        },
+    )
+}
+
+/// The arguments of every entry point before its results' storage: `first` (the chunk's
+/// input), the chunk's scalars, the weights, the screened head's tensors (if any) and the KV
+/// buffers.
+fn common_args(
+    cfg: &ModelConfig,
+    first: TensorSpec,
+    ring: RingGeometry,
+    opts: GraphOptions,
+) -> Vec<TensorSpec> {
     let mut args = vec![
         first,
         spec("pos0", Role::Pos0, &[], DType::I32),
@@ -491,79 +683,77 @@ fn entry_point(
     if opts.screen {
         args.extend(screen_specs(cfg));
     }
-    let kv = kv_specs(cfg, ring);
-    args.extend(kv.iter().cloned());
-    args.push(spec("next_out", Role::NextOut, &[], DType::I32));
-    let mut results = vec![
-        spec("next", Role::Next, &[], DType::I32),
-        spec("logits", Role::Logits, &[cfg.vocab_size], DType::F32),
-    ];
-    results.extend(kv);
+    args.extend(kv_specs(cfg, ring));
+    args
+}
 
-    let mut name = match span {
-        Some(span) => span_entry_name(input, c, span),
-        None => entry_name(input, c),
-    };
-    if head_mode == HeadMode::Full {
-        name.push_str("_logits");
-    }
-    let mut b = FuncBuilder::new(&name);
-    let chunk_input = b.arg(arg_type(&args[0]));
-    let pos0 = b.arg(arg_type(&args[1]));
-    let valid = b.arg(arg_type(&args[2]));
-    let [head, pos0_host, valid_host] = [(); 3].map(|()| b.scalar_arg());
-    let (next_out, tensors) = args[6..]
-        .split_last()
-        .expect("next_out is the last argument");
-    let values: Vec<Value> = tensors.iter().map(|a| b.arg(arg_type(a))).collect();
-    b.output_arg(arg_type(next_out), 0);
-    let mut it = values.into_iter();
-    let embed = it.next().expect("embed_tokens");
-    let layers: Vec<LayerWeights> = (0..cfg.num_layers())
-        .map(|_| LayerWeights::from_args(&mut it))
-        .collect();
-    let norm = it.next().expect("model.norm");
-    let screen = opts.screen.then(|| Screen {
-        q8: it.next().expect("screen.q8"),
-        scale: it.next().expect("screen.scale"),
-        slack: it.next().expect("screen.slack"),
-    });
-    let mut kv_in: Vec<Value> = it.collect();
-    let positions = kv_in.pop().expect("sliding.positions");
-    assert_eq!(kv_in.len(), 2 * cfg.num_layers(), "one K and V per layer");
+/// An entry point's arguments as values of its function.
+struct EntryArgs {
+    input: Value,
+    pos0: Value,
+    valid: Value,
+    head: Scalar,
+    pos0_host: Scalar,
+    valid_host: Scalar,
+    embed: Value,
+    layers: Vec<LayerWeights>,
+    norm: Value,
+    screen: Option<Screen>,
+    /// K then V of each layer.
+    kv: Vec<Value>,
+    /// The sliding layers' positions table.
+    positions: Value,
+}
 
-    let mut f = Forward { b, cfg, opts, span };
-    let (ch, positions) = f.chunk(c, (pos0, valid), (pos0_host, valid_host), &positions, ring);
-    let rows = match input {
-        Input::Ids => f.gather(&embed, &chunk_input),
-        Input::Embeddings => chunk_input,
-    };
-    let mut x = f.embed(&rows);
-    let mut kv_out = Vec::with_capacity(kv_in.len());
-    for (layer, w) in layers.iter().enumerate() {
-        let (nx, k, v) = f.layer(layer, w, &ch, &x, &kv_in[2 * layer], &kv_in[2 * layer + 1]);
-        x = nx;
-        kv_out.extend([k, v]);
+impl EntryArgs {
+    /// Declares `args` ([`common_args`], then the storage of results `0..`: the arguments of
+    /// [`Role::NextOut`] and [`Role::TokensOut`]) as `b`'s arguments.
+    fn bind(
+        b: &mut FuncBuilder,
+        cfg: &ModelConfig,
+        opts: GraphOptions,
+        args: &[TensorSpec],
+    ) -> Self {
+        let input = b.arg(arg_type(&args[0]));
+        let pos0 = b.arg(arg_type(&args[1]));
+        let valid = b.arg(arg_type(&args[2]));
+        let [head, pos0_host, valid_host] = [(); 3].map(|()| b.scalar_arg());
+        let storage = args
+            .iter()
+            .filter(|a| matches!(a.role, Role::NextOut | Role::TokensOut))
+            .count();
+        let (tensors, outputs) = args[6..].split_at(args.len() - 6 - storage);
+        let values: Vec<Value> = tensors.iter().map(|a| b.arg(arg_type(a))).collect();
+        for (result, out) in outputs.iter().enumerate() {
+            b.output_arg(arg_type(out), result);
+        }
+        let mut it = values.into_iter();
+        let embed = it.next().expect("embed_tokens");
+        let layers: Vec<LayerWeights> = (0..cfg.num_layers())
+            .map(|_| LayerWeights::from_args(&mut it))
+            .collect();
+        let norm = it.next().expect("model.norm");
+        let screen = opts.screen.then(|| Screen {
+            q8: it.next().expect("screen.q8"),
+            scale: it.next().expect("screen.scale"),
+            slack: it.next().expect("screen.slack"),
+        });
+        let mut kv: Vec<Value> = it.collect();
+        let positions = kv.pop().expect("sliding.positions");
+        assert_eq!(kv.len(), 2 * cfg.num_layers(), "one K and V per layer");
+        EntryArgs {
+            input,
+            pos0,
+            valid,
+            head,
+            pos0_host,
+            valid_host,
+            embed,
+            layers,
+            norm,
+            screen,
+            kv,
+            positions,
+        }
     }
-    let (next, logits) = match (head_mode, &screen) {
-        (HeadMode::Screen, Some(screen)) => f.screened(screen, &ch, &x, &norm, &embed),
-        (HeadMode::Full, _) => f.head(&ch, &x, &norm, &embed),
-        _ => f.head_if(&head, &ch, &x, &norm, &embed, screen.as_ref()),
-    };
-    let mut outs = vec![&next, &logits];
-    outs.extend(kv_out.iter());
-    outs.push(&positions);
-    let text = f.b.finish(&outs);
-    (
-        text,
-        EntryPoint {
-            name,
-            chunk: c,
-            input: args[0].role,
-            span: span.unwrap_or(cfg.context_capacity),
-            head: head_mode,
-            args,
-            results,
-        },
-    )
 }

@@ -19,12 +19,21 @@ pub struct Turn {
     pub restore_s: f64,
     /// Extend by the utterance.
     pub extend_s: f64,
-    /// Each greedy step.
-    pub step_s: Vec<f64>,
+    /// The greedy steps, all in one [`KvModel::decode`] call (which a GPU backend runs
+    /// without a round trip to the host between steps).
+    pub decode_s: f64,
     /// Restore to release, everything included.
     pub total_s: f64,
     /// Greedy tokens: the extend's, then each step's.
     pub tokens: Vec<u32>,
+}
+
+impl Turn {
+    /// A greedy step's time, the turn's decode over its steps; `None` for a turn of none.
+    pub fn step_s(&self) -> Option<f64> {
+        let steps = self.tokens.len().saturating_sub(1);
+        (steps > 0).then(|| self.decode_s / steps as f64)
+    }
 }
 
 /// Turns served from one prefix snapshot.
@@ -117,16 +126,14 @@ pub fn serve<M: KvModel>(
         let mut kv = model.snapshot(&snapshot)?;
         let restore_s = t0.elapsed().as_secs_f64();
         let t = Instant::now();
-        let mut next = model.extend(&mut kv, &w.utterance, Logits::Skip)?;
+        let next = model.extend(&mut kv, &w.utterance, Logits::Skip)?;
         let extend_s = t.elapsed().as_secs_f64();
         let mut tokens = vec![next.token];
-        let mut step_s = Vec::with_capacity(steps);
-        for _ in 0..steps {
-            let t = Instant::now();
-            next = model.step(&mut kv, next.token, Logits::Skip)?;
-            step_s.push(t.elapsed().as_secs_f64());
-            tokens.push(next.token);
+        let t = Instant::now();
+        if steps > 0 {
+            tokens.extend(model.decode(&mut kv, next.token, steps)?);
         }
+        let decode_s = t.elapsed().as_secs_f64();
         model.release(kv)?;
         let total_s = t0.elapsed().as_secs_f64();
         let probed = match probe {
@@ -142,12 +149,12 @@ pub fn serve<M: KvModel>(
             fmt_s(total_s),
             fmt_s(restore_s),
             fmt_s(extend_s),
-            fmt_s(step_s.iter().sum())
+            fmt_s(decode_s)
         );
         served.push(Turn {
             restore_s,
             extend_s,
-            step_s,
+            decode_s,
             total_s,
             tokens,
         });
@@ -327,8 +334,8 @@ impl Probed {
             p.turn_floor_s.push(turn_floor);
             p.turn_x.push(turn.total_s / turn_floor);
             p.step_floor_s.push(step_floor);
-            if !turn.step_s.is_empty() {
-                p.step_x.push(median(&turn.step_s) / step_floor);
+            if let Some(step_s) = turn.step_s() {
+                p.step_x.push(step_s / step_floor);
             }
         }
         Some(p)
@@ -362,13 +369,9 @@ impl Report {
     ) -> Self {
         let (served, stateless) = run;
         let (np, nu) = (w.prefix.len(), w.utterance.len());
-        let steps = served.turns[0].step_s.len();
+        let steps = served.turns[0].tokens.len() - 1;
         let turn_s: Vec<f64> = served.turns.iter().map(|t| t.total_s).collect();
-        let all_steps: Vec<f64> = served
-            .turns
-            .iter()
-            .flat_map(|t| t.step_s.iter().copied())
-            .collect();
+        let all_steps: Vec<f64> = served.turns.iter().filter_map(Turn::step_s).collect();
         let extend: Vec<f64> = served.turns.iter().map(|t| t.extend_s).collect();
         let restore: Vec<f64> = served.turns.iter().map(|t| t.restore_s).collect();
         let (p50, p90) = (percentile(&turn_s, 50.0), percentile(&turn_s, 90.0));
@@ -659,12 +662,12 @@ mod tests {
     /// bandwidth: at twice the bandwidth a bytes-bound floor halves.
     #[test]
     fn each_turn_takes_the_better_probe_around_it() {
-        let turn = |total_s: f64, step_s: Vec<f64>| Turn {
+        let turn = |total_s: f64, step_s: f64| Turn {
             restore_s: 0.0,
             extend_s: 0.0,
-            step_s,
+            decode_s: 2.0 * step_s,
             total_s,
-            tokens: Vec::new(),
+            tokens: vec![7; 3],
         };
         let served = Served {
             prefill_runs_s: vec![1.0],
@@ -672,7 +675,7 @@ mod tests {
             kv_bytes: 0,
             live_kv_bytes: 0,
             memcpy_s: 0.0,
-            turns: vec![turn(2.0, vec![0.1, 0.3, 0.2]), turn(3.0, vec![0.4])],
+            turns: vec![turn(2.0, 0.2), turn(3.0, 0.4)],
             probe_read_bps: vec![10.0, 20.0, 40.0],
         };
         let limits = Limits {
@@ -732,7 +735,7 @@ mod tests {
         assert!(served
             .turns
             .iter()
-            .all(|t| t.tokens.len() == 5 && t.step_s.len() == 4));
+            .all(|t| t.tokens.len() == 5 && t.step_s().is_some()));
         assert_eq!(served.kv_bytes, model.config().kv_bytes(w.prefix.len()));
         assert_eq!(served.live_kv_bytes, served.kv_bytes);
 

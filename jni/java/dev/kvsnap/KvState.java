@@ -5,7 +5,8 @@ import java.util.concurrent.atomic.AtomicBoolean;
 /**
  * One sequence's KV state, held on the backend's device. Use it after
  * {@link KvModel#prefill}: {@link #extend} appends several tokens, {@link #step} one, and both
- * return the greedy next token. {@link #snapshot()} is an independent copy.
+ * return the greedy next token; {@link #decode} runs several greedy steps in one call.
+ * {@link #snapshot()} is an independent copy.
  *
  * <p>Calls on one state are serialised; distinct states may be used from distinct threads in
  * parallel. Errors are thrown as documented on {@link KvModel}.
@@ -34,6 +35,21 @@ public final class KvState implements AutoCloseable {
         int next = Native.step(model.handle(), handle, id);
         nextToken = next;
         return next;
+    }
+
+    /**
+     * Greedy-decodes {@code steps} tokens: appends {@code id}, then each token the step before
+     * returned; returns the {@code steps} tokens (the state grows by {@code steps}, the last
+     * token is not appended). What {@code steps} calls of {@link #step} return, but a GPU
+     * backend runs them without a round trip to the host between steps. On an input error
+     * (a token out of range, {@code steps} 0 or negative, no room) the state is unchanged.
+     */
+    public int[] decode(int id, int steps) {
+        int[] tokens = Native.decode(model.handle(), handle, id, steps);
+        if (tokens.length > 0) {
+            nextToken = tokens[tokens.length - 1];
+        }
+        return tokens;
     }
 
     /** An independent copy: using either never changes the other. */

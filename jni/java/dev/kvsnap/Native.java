@@ -44,6 +44,8 @@ final class Native {
 
     static native int step(long model, long kv, int id);
 
+    static native int[] decode(long model, long kv, int id, int steps);
+
     static native long snapshot(long model, long kv);
 
     static native void release(long model, long kv);

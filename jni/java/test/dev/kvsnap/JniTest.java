@@ -156,6 +156,20 @@ public final class JniTest {
         }
     }
 
+    /** The same turn with its steps in one {@link KvState#decode} call. */
+    static int[] decodedTurn(KvState catalog, int[] utterance, int steps) {
+        try (KvState kv = catalog.snapshot()) {
+            int[] out = new int[steps + 1];
+            out[0] = kv.extend(utterance);
+            int[] tokens = kv.decode(out[0], steps);
+            assertEq(steps, tokens.length, "decoded tokens");
+            System.arraycopy(tokens, 0, out, 1, steps);
+            assertEq(tokens[steps - 1], kv.nextToken(), "next token after decode");
+            assertEq(catalog.len() + utterance.length + steps, kv.len(), "length after decode");
+            return out;
+        }
+    }
+
     /** The catalog flow and the embeddings variant, compared with the Rust API's tokens. */
     void flowChecks(String name, String dir, Expected e) {
         long start = System.nanoTime();
@@ -189,6 +203,13 @@ public final class JniTest {
                     assertEq(1, m.liveStates(), "live states after the turns released theirs");
                 }
                 assertEq(0, m.liveStates(), "live states after release");
+            });
+            check(name + ": catalog flow with each turn's steps in one decode call equals Rust", () -> {
+                try (KvState catalog = m.prefill(e.prefix)) {
+                    for (int t = 0; t < e.utterances.size(); t++) {
+                        assertEq(e.outputs.get(t), decodedTurn(catalog, e.utterances.get(t), e.steps()), "turn " + t);
+                    }
+                }
             });
             check(name + ": prefillEmbeddings with host-gathered rows equals Rust", () -> {
                 float[] rows = m.embeddingRows(e.prefix);
@@ -290,6 +311,20 @@ public final class JniTest {
             check("bad input: step id past the vocab -> IllegalArgumentException", () ->
                     assertThrows(IllegalArgumentException.class, () -> s.step(vocab + 3),
                             "step: token id " + (vocab + 3)));
+            check("bad input: decode of no steps, negative steps, a bad id or too many -> IllegalArgumentException, state unchanged", () -> {
+                int len = s.len();
+                assertThrows(IllegalArgumentException.class, () -> s.decode(3, 0), "decode: empty input");
+                assertThrows(IllegalArgumentException.class, () -> s.decode(3, -1),
+                        "decode: steps must be at least 0, got -1");
+                assertThrows(IllegalArgumentException.class, () -> s.decode(-1, 2),
+                        "decode: token id -1 at input index 0 is out of range");
+                assertThrows(IllegalArgumentException.class, () -> s.decode(vocab, 2),
+                        "decode: token id " + vocab);
+                assertThrows(IllegalArgumentException.class, () -> s.decode(3, cap - len + 1),
+                        "decode: context overflow: " + len + " tokens cached + " + (cap - len + 1)
+                                + " new > capacity " + cap);
+                assertEq(len, s.len(), "length");
+            });
             check("bad input: empty extend -> IllegalArgumentException, state unchanged", () -> {
                 int len = s.len();
                 assertThrows(IllegalArgumentException.class, () -> s.extend(new int[0]),
@@ -327,6 +362,7 @@ public final class JniTest {
                 KvState r = s.snapshot();
                 r.release();
                 assertThrows(IllegalStateException.class, () -> r.step(1), "step: stale handle", "(released)");
+                assertThrows(IllegalStateException.class, () -> r.decode(1, 2), "decode: stale handle", "(released)");
                 assertThrows(IllegalStateException.class, () -> r.snapshot(), "snapshot: stale handle", "(released)");
                 assertThrows(IllegalStateException.class, r::release, "release: stale handle", "(released)");
                 r.close(); // close after release is a no-op
