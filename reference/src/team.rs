@@ -242,7 +242,9 @@ fn dispatch(tasks: usize, f: Job) {
         _ => {}
     }
     if IN_TASK.with(Cell::get) {
-        return (0..tasks).for_each(f);
+        let first = FirstPanic::default();
+        (0..tasks).for_each(|t| first.run(f, t));
+        return first.resume();
     }
     if tasks > MAX_TASKS {
         let per = tasks.div_ceil(MAX_TASKS);
@@ -262,7 +264,37 @@ fn dispatch(tasks: usize, f: Job) {
         });
     match team {
         Some(team) => team.join(tasks, f),
-        None => (0..tasks).into_par_iter().for_each(f),
+        None => {
+            let first = FirstPanic::default();
+            (0..tasks).into_par_iter().for_each(|t| first.run(f, t));
+            first.resume();
+        }
+    }
+}
+
+/// The first panic of tasks run off the team, resumed once every task has run, as
+/// [`Team::join`] does: uncaught, a task's panic would skip the tasks after it in its
+/// thread's share (rayon's, or the caller's own loop).
+#[derive(Default)]
+struct FirstPanic(Mutex<Option<Box<dyn Any + Send>>>);
+
+impl FirstPanic {
+    /// Runs task `t`, keeping its panic if it is the first.
+    fn run(&self, f: Job, t: usize) {
+        if let Err(payload) = panic::catch_unwind(AssertUnwindSafe(|| f(t))) {
+            self.0
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .get_or_insert(payload);
+        }
+    }
+
+    /// Resumes the first panic, if a task panicked.
+    fn resume(self) {
+        let payload = self.0.into_inner().unwrap_or_else(PoisonError::into_inner);
+        if let Some(payload) = payload {
+            panic::resume_unwind(payload);
+        }
     }
 }
 
@@ -444,13 +476,16 @@ mod tests {
         });
     }
 
-    #[test]
-    fn a_task_panic_reaches_the_caller_after_every_task_ran() {
+    /// 64 tasks, task 40 panicking, run by `for_each` where `run` calls it: the panic reaches
+    /// the caller, after all 64 ran.
+    fn panic_after_every_task(run: impl FnOnce(&(dyn Fn() + Sync))) {
         let ran = AtomicU32::new(0);
         let result = panic::catch_unwind(AssertUnwindSafe(|| {
-            for_each(64, |t| {
-                ran.fetch_add(1, Ordering::Relaxed);
-                assert_ne!(t, 40, "task 40 fails");
+            run(&|| {
+                for_each(64, |t| {
+                    ran.fetch_add(1, Ordering::Relaxed);
+                    assert_ne!(t, 40, "task 40 fails");
+                })
             })
         }));
         let message = result.expect_err("the panic is resumed");
@@ -460,6 +495,26 @@ mod tests {
             .unwrap_or_default();
         assert!(text.contains("task 40 fails"), "{text}");
         assert_eq!(ran.load(Ordering::Relaxed), 64);
+    }
+
+    /// On a rayon thread the tasks go to rayon's pool (as they do while another caller holds
+    /// the team), and within a task they run in the caller's loop: a panic skips no task
+    /// either way.
+    #[test]
+    fn a_task_panic_off_the_team_reaches_the_caller_after_every_task_ran() {
+        panic_after_every_task(|job| rayon::scope(|_| job()));
+        panic_after_every_task(|job| {
+            for_each(2, |t| {
+                if t == 0 {
+                    job()
+                }
+            })
+        });
+    }
+
+    #[test]
+    fn a_task_panic_reaches_the_caller_after_every_task_ran() {
+        panic_after_every_task(|job| job());
         // The team is free again.
         let sum = AtomicU32::new(0);
         for_each(8, |t| {
