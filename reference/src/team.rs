@@ -55,7 +55,7 @@ struct Team {
     /// Tasks of the current job that have finished.
     done: AtomicUsize,
     /// The first panic of the current job's tasks, resumed on its caller once all finished.
-    panic: Mutex<Option<Box<dyn Any + Send>>>,
+    panic: FirstPanic,
     /// Set while a caller's job runs: a second caller goes to rayon instead of waiting.
     busy: AtomicBool,
     /// Workers parked (or about to), so that a new job knows to wake them.
@@ -104,12 +104,8 @@ impl Team {
     /// Runs one task, keeping its panic (the first of the job's) for the caller.
     fn run(&self, job: Job, task: usize) {
         IN_TASK.with(|t| t.set(true));
-        let result = panic::catch_unwind(AssertUnwindSafe(|| job(task)));
+        self.panic.run(job, task);
         IN_TASK.with(|t| t.set(false));
-        if let Err(payload) = result {
-            let mut slot = self.panic.lock().unwrap_or_else(PoisonError::into_inner);
-            slot.get_or_insert(payload);
-        }
     }
 
     /// A worker: runs each new job's tasks, spins for the next one, parks after [`SPIN`].
@@ -184,11 +180,7 @@ impl Team {
                 std::thread::yield_now();
             }
         }
-        let payload = self
-            .panic
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take();
+        let payload = self.panic.take();
         self.busy.store(false, Ordering::Release);
         if let Some(payload) = payload {
             panic::resume_unwind(payload);
@@ -209,7 +201,7 @@ fn team() -> Option<&'static Team> {
             word: AtomicU64::new(0),
             job: AtomicPtr::new(std::ptr::null_mut()),
             done: AtomicUsize::new(0),
-            panic: Mutex::new(None),
+            panic: FirstPanic::default(),
             // Busy until every worker has started: a partial team is never used.
             busy: AtomicBool::new(true),
             parked: AtomicUsize::new(0),
@@ -272,9 +264,9 @@ fn dispatch(tasks: usize, f: Job) {
     }
 }
 
-/// The first panic of tasks run off the team, resumed once every task has run, as
-/// [`Team::join`] does: uncaught, a task's panic would skip the tasks after it in its
-/// thread's share (rayon's, or the caller's own loop).
+/// The first panic of a job's tasks, kept until every task has run and then resumed on the
+/// caller: on the team ([`Team::join`]) and off it, where uncaught, a task's panic would skip
+/// the tasks after it in its thread's share (rayon's, or the caller's own loop).
 #[derive(Default)]
 struct FirstPanic(Mutex<Option<Box<dyn Any + Send>>>);
 
@@ -289,10 +281,14 @@ impl FirstPanic {
         }
     }
 
+    /// The first panic kept, if a task panicked; none is kept afterwards.
+    fn take(&self) -> Option<Box<dyn Any + Send>> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner).take()
+    }
+
     /// Resumes the first panic, if a task panicked.
-    fn resume(self) {
-        let payload = self.0.into_inner().unwrap_or_else(PoisonError::into_inner);
-        if let Some(payload) = payload {
+    fn resume(&self) {
+        if let Some(payload) = self.take() {
             panic::resume_unwind(payload);
         }
     }

@@ -382,9 +382,10 @@ pub fn build(cfg: &ModelConfig, chunks: &[usize], opts: GraphOptions) -> Graphs 
 
 /// The spans of the multi-step decode entry points of `steps` steps: a quarter of the capacity
 /// (where it holds a call's steps) and `None`, the capacity. Each such entry point is `steps`
-/// decode steps to compile (about a minute on 2 cores for the real shapes' 16), and on a GPU
-/// a step's attention over a quarter or a half of Gemma 3 270M's capacity took the same time
-/// (docs/BENCHMARKS.md, thirty-seventh pass): two spans, not the decode step's four.
+/// decode steps to compile (with two, the real shapes' Vulkan MLIR grew from 5.8 to 19.6 MB,
+/// docs/BENCHMARKS.md, forty-fourth pass), and on an H100 a step took the same time over a
+/// span as over the whole capacity (thirty-seventh pass): two spans, not the decode step's
+/// four.
 fn decode_spans(capacity: usize, steps: usize) -> Vec<Option<usize>> {
     let quarter = capacity / 4;
     let mut spans: Vec<Option<usize>> = (quarter >= steps && quarter < capacity)
