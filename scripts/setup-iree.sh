@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what the IREE backend needs to build and run, idempotently:
 #   - apt: libclang-dev (bindgen for eerie-sys), gcc/g++ (the IREE runtime's C build),
-#          mesa-vulkan-drivers + libvulkan1 (lavapipe: Vulkan without a GPU)
+#          mesa-vulkan-drivers + libvulkan1 (lavapipe: Vulkan without a GPU), glslang-tools
+#          (glslangValidator: the Vulkan modules' own SPIR-V kernels, iree-backend/kernels)
 #   - pip into the project's .venv: iree-base-compiler==3.13.0 (iree-compile matching the runtime
 #     that eerie-sys 0.5.0 vendors) and cmake==3.31.10 (eerie-sys needs cmake >= 3.26)
 # Afterwards build with `.venv/bin` on PATH, e.g. `PATH="$PWD/.venv/bin:$PATH" cargo build -p kvsnap-iree`.
@@ -12,7 +13,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${KVSNAP_VENV:-$ROOT/.venv}"
 IREE_COMPILER_VERSION="3.13.0"
 CMAKE_VERSION="3.31.10"
-APT_PACKAGES=(libclang-dev gcc g++ make mesa-vulkan-drivers libvulkan1 python3 python3-venv)
+APT_PACKAGES=(libclang-dev gcc g++ make mesa-vulkan-drivers libvulkan1 glslang-tools python3 python3-venv)
 
 SUDO=""
 if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi

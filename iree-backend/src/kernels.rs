@@ -23,6 +23,12 @@
 //! `hal.executable.objects` name the object ([`executable`]); the compiler finds the object
 //! by name in the directory given with `--iree-hal-executable-object-search-path`
 //! ([`crate::compile::Compiler::compile_tuned`]).
+//!
+//! Vulkan modules dispatch two SPIR-V kernels of their own (`kernels/attend_split.comp` and
+//! `kernels/attend_merge.comp`, GLSL compiled by the build script): the decode step's
+//! attention in two dispatches a layer ([`SpirvAttention`]), where IREE's code took five (the
+//! scores, their maximum and sum, the weighted values in blocks and the blocks' sum), each a
+//! drain of the queue before the next.
 
 use std::sync::OnceLock;
 
@@ -69,6 +75,62 @@ pub const ATTEND_CHUNK_LANES: usize = 16;
 pub const ATTEND_MAX_HEAD_DIM: usize = 256;
 /// A chunk's attention entry point.
 pub const ATTEND_CHUNK_ENTRY: &str = "kvsnap_kernels::@attend_c";
+
+/// Most key rows a workgroup of the Vulkan attention takes (`SPLIT_ROWS` in
+/// attend_split.comp): a layer's rows come in at least `rows / SPIRV_SPLIT_ROWS` splits.
+pub const SPIRV_SPLIT_ROWS: usize = 32;
+/// Most query heads a key/value head serves in the Vulkan attention (`MAX_GROUP`).
+pub const SPIRV_MAX_GROUP: usize = 8;
+
+/// The decode step's attention on Vulkan, two SPIR-V objects dispatched by
+/// [`crate::emit::FuncBuilder::dispatch_spirv`]:
+///
+/// - `split` takes the query row (`[kv_heads, group, head_dim]`), a layer's K and V buffers
+///   (`[buf_rows, kv_heads, head_dim]`), the ring's positions (`[pos_rows]` i32) and `{query
+///   position, end}` (`[2]` i32), with the push constants `kv_heads, group, head_dim, rows,
+///   window, scale bits, splits`; workgroups `(splits, kv_heads)`, each a split of the first
+///   `rows` rows, read only where visible, as [`ATTEND_ENTRY`]'s; it returns `[splits,
+///   kv_heads, group, head_dim + 2]`, each split's unnormalised sums, maximum score and sum
+///   of weights;
+/// - `merge` takes those and `kv_heads, group, head_dim, splits`, one workgroup a query head,
+///   and returns the attention `[kv_heads, group, head_dim]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SpirvAttention {
+    /// The splits' kernel.
+    pub split: LinkedObject,
+    /// The merge's kernel.
+    pub merge: LinkedObject,
+}
+
+#[cfg(kvsnap_spirv_kernels)]
+const SPIRV: Option<[&[u8]; 2]> = Some([
+    include_bytes!(concat!(env!("OUT_DIR"), "/attend_split.spv")),
+    include_bytes!(concat!(env!("OUT_DIR"), "/attend_merge.spv")),
+]);
+#[cfg(not(kvsnap_spirv_kernels))]
+const SPIRV: Option<[&[u8]; 2]> = None;
+
+/// The Vulkan attention's kernels, when this build compiled them, each named by its content.
+pub fn spirv_attention() -> Option<SpirvAttention> {
+    static NAMES: OnceLock<[String; 2]> = OnceLock::new();
+    let [split, merge] = SPIRV?;
+    let [split_name, merge_name] = NAMES.get_or_init(|| {
+        [("split", split), ("merge", merge)].map(|(kind, bytes)| {
+            let tag = hex(&Sha256::digest(bytes)[..8]);
+            format!("kvsnap_attend_{kind}_{tag}.spv")
+        })
+    });
+    Some(SpirvAttention {
+        split: LinkedObject {
+            name: split_name,
+            bytes: split,
+        },
+        merge: LinkedObject {
+            name: merge_name,
+            bytes: merge,
+        },
+    })
+}
 
 #[cfg(kvsnap_kernel_object)]
 const OBJECT: Option<&[u8]> = Some(include_bytes!(concat!(env!("OUT_DIR"), "/avx512.o")));

@@ -49,9 +49,10 @@ pub struct IreeOptions {
     /// embeddings-input graphs on Vulkan (rows gathered on the host from the memory-mapped
     /// weights, as the Mali path needs) and the ids-input graphs on the CPU.
     pub input: Option<Input>,
-    /// Link kvsnap's own kernels into llvm-cpu modules where this build and host have them
-    /// ([`crate::kernels`]: the chunks' panel products and the head's screen on AVX-512);
-    /// `false` keeps IREE's code for everything.
+    /// Link kvsnap's own kernels into the module where this build and host have them
+    /// ([`crate::kernels`]: on llvm-cpu the chunks' panel products, the head's screen and the
+    /// attention on AVX-512; on Vulkan the decode step's attention in SPIR-V); `false` keeps
+    /// IREE's code for everything.
     pub own_kernels: bool,
 }
 
@@ -837,6 +838,7 @@ pub fn model_graphs(cfg: &ModelConfig, opts: &IreeOptions) -> graphs::Graphs {
     graph_opts.input = opts.chosen_input();
     if !opts.own_kernels {
         graph_opts.own_kernels = None;
+        graph_opts.spirv_attention = None;
     }
     graphs::build(cfg, &chunks, graph_opts)
 }

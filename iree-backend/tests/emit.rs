@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use std::process::Command;
 
 use kvsnap_contract::{LayerKind, ModelConfig};
-use kvsnap_iree::compile::{Compiler, LinkedObject};
+use kvsnap_iree::compile::{Compiler, LinkedObject, Target};
 use kvsnap_iree::emit::{Cmp, DotDims, ElemType, FuncBuilder, Module, Reduction, TensorType};
 use kvsnap_iree::graphs::{
     self, entry_name, head_modes, span_entry_name, DType, EntryPoint, GraphOptions, HeadMode,
@@ -352,15 +352,17 @@ fn iree_compile() -> Option<PathBuf> {
         .map(|c| c.executable().to_path_buf())
 }
 
-/// Compiles `mlir`, linking `objects`, for llvm-cpu; `None` (and a visible SKIPPED line)
+/// Compiles `mlir`, linking `objects`, for `target`; `None` (and a visible SKIPPED line)
 /// without a compiler.
-fn compile(mlir: &str, objects: &[LinkedObject], what: &str) -> Option<()> {
-    run_compiler(mlir, objects, what, &[]).map(|_| ())
+fn compile(target: Target, mlir: &str, objects: &[LinkedObject], what: &str) -> Option<()> {
+    run_compiler(target, mlir, objects, what, &[]).map(|_| ())
 }
 
-/// Runs `iree-compile` for llvm-cpu on `mlir`, linking `objects`, with the `extra` flags and
-/// returns what it wrote; `None` (and a visible SKIPPED line) without a compiler.
+/// Runs `iree-compile` for `target` (llvm-cpu for a generic CPU, or IREE's generic SPIR-V) on
+/// `mlir`, linking `objects`, with the `extra` flags and returns what it wrote; `None` (and a
+/// visible SKIPPED line) without a compiler.
 fn run_compiler(
+    target: Target,
     mlir: &str,
     objects: &[LinkedObject],
     what: &str,
@@ -377,13 +379,17 @@ fn run_compiler(
     for object in objects {
         std::fs::write(dir.join(object.name), object.bytes).unwrap();
     }
-    let out = Command::new(exe)
-        .args([
-            "--iree-input-type=stablehlo",
+    let flags: &[&str] = match target {
+        Target::LlvmCpu => &[
             "--iree-hal-target-device=local",
             "--iree-hal-local-target-device-backends=llvm-cpu",
             "--iree-llvmcpu-target-cpu=generic",
-        ])
+        ],
+        Target::VulkanSpirv => &["--iree-hal-target-device=vulkan"],
+    };
+    let out = Command::new(exe)
+        .arg("--iree-input-type=stablehlo")
+        .args(flags)
         .args(extra)
         .arg(format!(
             "--iree-hal-executable-object-search-path={}",
@@ -485,7 +491,7 @@ fn every_op_compiles() {
     let out = b.add(&out, &prefix);
     let mut module = Module::new("ops");
     module.push(b.finish(&[&out, &mx]));
-    compile(&module.text(), &[], "ops");
+    compile(Target::LlvmCpu, &module.text(), &[], "ops");
 }
 
 #[test]
@@ -535,7 +541,14 @@ fn no_entry_point_reads_back_before_its_end() {
         ..GraphOptions::llvm_cpu()
     };
     let g = graphs::build(&cfg, &[1, 8], opts);
-    let Some(stream) = run_compiler(&g.mlir, &g.objects, "stream", &["--compile-to=stream"]) else {
+    let stream = run_compiler(
+        Target::LlvmCpu,
+        &g.mlir,
+        &g.objects,
+        "stream",
+        &["--compile-to=stream"],
+    );
+    let Some(stream) = stream else {
         return;
     };
     let stream = String::from_utf8(stream).unwrap();
@@ -616,8 +629,9 @@ fn function_of<'a>(mlir: &'a str, name: &str) -> &'a str {
 #[test]
 fn graphs_build_for_tiny_and_real_configs_with_the_head_sliced() {
     // IREE's code throughout: the rows the graph's attention reads are what is checked here
-    // (the decode step's attention kernel skips the rows it cannot see instead:
-    // `own_kernels_take_the_chunk_projections_and_the_screen`).
+    // (the decode step's attention kernels skip the rows they cannot see instead:
+    // `own_kernels_take_the_chunk_projections_and_the_screen`,
+    // `vulkan_decode_steps_attend_in_the_spirv_kernels`).
     let llvm_cpu = GraphOptions {
         own_kernels: None,
         ..GraphOptions::llvm_cpu()
@@ -626,7 +640,11 @@ fn graphs_build_for_tiny_and_real_configs_with_the_head_sliced() {
         screen: false,
         ..llvm_cpu
     };
-    let options = [GraphOptions::vulkan(), llvm_cpu, unscreened];
+    let vulkan = GraphOptions {
+        spirv_attention: None,
+        ..GraphOptions::vulkan()
+    };
+    let options = [vulkan, llvm_cpu, unscreened];
     for (cfg, opts) in [config(Preset::Tiny), real_config()]
         .into_iter()
         .flat_map(|cfg| options.map(|o| (cfg.clone(), o)))
@@ -1037,9 +1055,13 @@ fn manifest_lists_weights_by_hf_name_in_call_order() {
 
 #[test]
 fn tiny_module_compiles() {
-    for opts in [GraphOptions::vulkan(), GraphOptions::llvm_cpu()] {
+    let targets = [
+        (Target::VulkanSpirv, GraphOptions::vulkan()),
+        (Target::LlvmCpu, GraphOptions::llvm_cpu()),
+    ];
+    for (target, opts) in targets {
         let g = graphs::build(&config(Preset::Tiny), &DEFAULT_CHUNKS, opts);
-        compile(&g.mlir, &g.objects, "tiny");
+        compile(target, &g.mlir, &g.objects, target.name());
     }
 }
 
@@ -1238,8 +1260,12 @@ fn own_kernels_take_the_chunk_projections_and_the_screen() {
         .mlir
         .contains(&format!("tensor<1x64x4x{ring}xf32>")));
     assert!(!iree_code.mlir.contains("@kvsnap_kernels::@attend_c["));
+    // Vulkan links its own SPIR-V objects only (where this build compiled them).
     let vulkan = graphs::build(&cfg, &[1, 64], GraphOptions::vulkan());
-    assert!(vulkan.objects.is_empty() && !vulkan.mlir.contains("flow.dispatch"));
+    let spirv: Vec<LinkedObject> =
+        kvsnap_iree::kernels::spirv_attention().map_or(vec![], |a| vec![a.split, a.merge]);
+    assert_eq!(vulkan.objects, spirv);
+    assert!(!vulkan.mlir.contains("flow.dispatch"));
 }
 
 /// Vulkan's decode step and its chunks of up to 24 rows attend with the keys as the scores'
@@ -1256,7 +1282,13 @@ fn vulkan_attends_few_query_rows_in_blocks_of_keys() {
     let parts = |c: usize, rows: usize| format!("tensor<{kvh}x{}x{c}x{g}x{hd}xf32>", rows / 32);
     let whole = |c: usize, rows: usize| format!("tensor<{kvh}x{c}x{g}x{rows}xf32>");
     let chunks = [1, 8, 24, 32];
-    let vulkan = graphs::build(&cfg, &chunks, GraphOptions::vulkan());
+    // IREE's code (the decode step's attention runs in kvsnap's kernels where this build has
+    // them: `vulkan_decode_steps_attend_in_the_spirv_kernels`).
+    let iree_vulkan = GraphOptions {
+        spirv_attention: None,
+        ..GraphOptions::vulkan()
+    };
+    let vulkan = graphs::build(&cfg, &chunks, iree_vulkan);
     let modulus = vulkan.manifest.ring.modulus;
     let llvm_cpu = GraphOptions {
         own_kernels: None,
@@ -1300,6 +1332,80 @@ fn vulkan_attends_few_query_rows_in_blocks_of_keys() {
     }
 }
 
+/// With the SPIR-V attention ([`GraphOptions::spirv_attention`]) every decode step's layer,
+/// in the one-step and the multi-step entry points, attends in two dispatches of the two
+/// objects: a split every 32 rows of a sliding layer's ring rows seen and of a global layer's
+/// span, then the merge; no scores tensor of one query row. Chunks keep IREE's code.
+#[test]
+fn vulkan_decode_steps_attend_in_the_spirv_kernels() {
+    use kvsnap_iree::kernels::{SpirvAttention, SPIRV_SPLIT_ROWS};
+
+    let cfg = real_config();
+    let object = |name| LinkedObject { name, bytes: b"" };
+    let kernels = SpirvAttention {
+        split: object("test_split.spv"),
+        merge: object("test_merge.spv"),
+    };
+    let opts = GraphOptions {
+        spirv_attention: Some(kernels),
+        ..GraphOptions::vulkan()
+    };
+    let g = graphs::build(&cfg, &[1, 8, 64], opts);
+    assert_eq!(g.objects, [kernels.split, kernels.merge]);
+    let (layers, capacity) = (cfg.num_layers(), cfg.context_capacity);
+    let ring = g.manifest.ring;
+    assert_eq!(SPIRV_SPLIT_ROWS, 32);
+    let split = |rows: usize, buf: usize| {
+        format!(
+            "(i32, i32, i32, i32, i32, i32, i32, tensor<1x4x256xf32>, tensor<{buf}x1x256xf32>, \
+             tensor<{buf}x1x256xf32>, tensor<{}xi32>, tensor<2xi32>) -> tensor<{}x1x4x258xf32>",
+            ring.rows,
+            rows.div_ceil(32)
+        )
+    };
+    let merge = |rows: usize| {
+        format!(
+            "(i32, i32, i32, i32, tensor<{}x1x4x258xf32>) -> tensor<1x4x256xf32>",
+            rows.div_ceil(32)
+        )
+    };
+    let globals = global_layers(&cfg);
+    let mut steps_seen = 0;
+    for e in &g.manifest.entry_points {
+        let body = function_of(&g.mlir, &e.name);
+        let externs = body.matches("hal.dispatch.extern").count();
+        if e.chunk > 1 {
+            assert_eq!(externs, 0, "{}: IREE's code", e.name);
+            continue;
+        }
+        steps_seen += e.steps;
+        let span = (e.span < capacity).then_some(e.span);
+        let sliding = ring.rows_seen(1, span);
+        let global = e.span;
+        assert_eq!(externs, 2 * layers * e.steps, "{}", e.name);
+        for (rows, buf, n) in [
+            (sliding, ring.rows, layers - globals),
+            (global, capacity, globals),
+        ] {
+            let calls = body.matches(&split(rows, buf)).count();
+            assert_eq!(calls, n * e.steps, "{}: splits of {rows} rows", e.name);
+        }
+        let mut merges = body.matches(&merge(sliding)).count();
+        if global.div_ceil(32) != sliding.div_ceil(32) {
+            merges += body.matches(&merge(global)).count();
+        }
+        assert_eq!(merges, layers * e.steps, "{}: merges", e.name);
+        assert_eq!(
+            body.matches(r#"path = "test_split.spv""#).count(),
+            layers * e.steps
+        );
+        for rows in [ring.modulus, ring.rows, sliding, global] {
+            assert!(!attends_over(body, (1, 1, 4), rows), "{}: scores", e.name);
+        }
+    }
+    assert!(steps_seen > 16, "one-step and multi-step entry points");
+}
+
 #[test]
 fn vulkan_command_buffers_are_recorded_once() {
     // With the rows written and read at indices computed on the device no command buffer
@@ -1313,7 +1419,9 @@ fn vulkan_command_buffers_are_recorded_once() {
             ..GraphOptions::vulkan()
         };
         let g = graphs::build(&cfg, &[1, 8], opts);
-        let Some(hal) = run_compiler(&g.mlir, &g.objects, "hal", &["--compile-to=hal"]) else {
+        let target = Target::VulkanSpirv;
+        let Some(hal) = run_compiler(target, &g.mlir, &g.objects, "hal", &["--compile-to=hal"])
+        else {
             return;
         };
         let hal = String::from_utf8(hal).unwrap();

@@ -819,9 +819,10 @@ fn unsettled_screen_reruns_the_chunk_with_the_full_head() {
 /// rows and k and v 40 each (2.5 and 1.25 panels of 32 lanes), ffn 552 makes gate and up
 /// 17.25 panels each. In panels (llvm-cpu) each part starts at a whole panel, after zero
 /// padding; in rows (Vulkan) right after the previous one. A prefill, an extend and steps
-/// match the reference on each target, and on llvm-cpu both with kvsnap's panel-product
-/// kernel (one product over the stack, parts sliced off; the 36 panels of gate and up in 16
-/// workgroups of 2 or 3; where the host has it) and with IREE's code.
+/// match the reference on each target, and on each both with kvsnap's kernels (on llvm-cpu
+/// the panel-product kernel: one product over the stack, parts sliced off; the 36 panels of
+/// gate and up in 16 workgroups of 2 or 3; on Vulkan the SPIR-V attention, over 20-dim heads;
+/// where the build and host have them) and with IREE's code.
 #[test]
 fn stacked_projections_with_partial_panels_match_the_reference() {
     use kvsnap_iree::graphs::PROJECTION_LANES;
@@ -840,6 +841,7 @@ fn stacked_projections_with_partial_panels_match_the_reference() {
         (Target::LlvmCpu, true),
         (Target::LlvmCpu, false),
         (Target::VulkanSpirv, true),
+        (Target::VulkanSpirv, false),
     ];
     for (target, own_kernels) in runs {
         let opts = IreeOptions {
@@ -856,12 +858,20 @@ fn stacked_projections_with_partial_panels_match_the_reference() {
             }
             Err(e) => panic!("IREE model on {}: {e}", target.name()),
         };
-        let linked = own_kernels
-            && target == Target::LlvmCpu
-            && kvsnap_iree::kernels::kernel_object().is_some();
-        assert_eq!(iree.load_report().objects.len(), usize::from(linked));
-        if own_kernels && !linked && target == Target::LlvmCpu {
-            eprintln!("SKIPPED: the panel-product kernel: not on this build or host");
+        let (linked, objects) = match target {
+            Target::LlvmCpu => (kvsnap_iree::kernels::kernel_object().is_some(), 1),
+            Target::VulkanSpirv => (kvsnap_iree::kernels::spirv_attention().is_some(), 2),
+        };
+        let linked = own_kernels && linked;
+        assert_eq!(
+            iree.load_report().objects.len(),
+            if linked { objects } else { 0 }
+        );
+        if own_kernels && !linked {
+            eprintln!(
+                "SKIPPED: kvsnap's kernels on {}: not on this build or host",
+                target.name()
+            );
         }
         let weights: Vec<_> = iree.manifest().entry_points[0].weights().cloned().collect();
         let qkv = weights

@@ -945,6 +945,63 @@ impl FuncBuilder {
         r
     }
 
+    /// Emits `hal.dispatch.extern` of the SPIR-V object `object` (its entry point `main`, a
+    /// file name the compiler finds on its object search path): `groups` workgroups, the
+    /// `u32` push constants `constants`, the tensors `args` as read-only storage buffers
+    /// (bindings 0, 1, ... in order), then the result, of type `result`, as the last binding.
+    /// The object is the whole executable, so the shader's own declarations must match.
+    pub fn dispatch_spirv(
+        &mut self,
+        object: &str,
+        groups: [usize; 3],
+        constants: &[u32],
+        args: &[&Value],
+        result: TensorType,
+    ) -> Value {
+        let mut names = Vec::new();
+        for g in groups {
+            let name = self.fresh_name();
+            writeln!(self.body, "    {name} = arith.constant {g} : index")
+                .expect("writing to a String");
+            names.push(name);
+        }
+        let mut operands = Vec::new();
+        for &c in constants {
+            let name = self.fresh_name();
+            // Two's complement: IREE passes the constant's 32 bits through unchanged.
+            writeln!(self.body, "    {name} = arith.constant {} : i32", c as i32)
+                .expect("writing to a String");
+            operands.push(name);
+        }
+        operands.extend(args.iter().map(|v| v.to_string()));
+        let mut tys = vec!["i32".to_string(); constants.len()];
+        tys.extend(args.iter().map(|v| v.ty.to_string()));
+        let bindings: Vec<&str> = args
+            .iter()
+            .map(|_| "#hal.pipeline.binding<storage_buffer, ReadOnly>")
+            .chain(["#hal.pipeline.binding<storage_buffer>"])
+            .collect();
+        let (d, x, y, z) = (
+            self.fresh_name(),
+            self.fresh_name(),
+            self.fresh_name(),
+            self.fresh_name(),
+        );
+        let r = self.fresh(result);
+        writeln!(
+            self.body,
+            "    {r} = hal.dispatch.extern \"main\"[{}]({}) : ({}) -> {}\n      count({d}: !hal.device, {x}: index, {y}: index, {z}: index) -> (index, index, index) {{\n        hal.return {x}, {y}, {z} : index, index, index\n      }}\n      layout(#hal.pipeline.layout<constants = {}, bindings = [{}]>)\n      objects({{#hal.executable.target<\"vulkan-spirv\", \"vulkan-spirv-fb\"> ordinal(0) = [#hal.executable.object<{{path = \"{object}\"}}>]}})",
+            names.join(", "),
+            operands.join(", "),
+            tys.join(", "),
+            r.ty,
+            constants.len(),
+            bindings.join(", "),
+        )
+        .expect("writing to a String");
+        r
+    }
+
     // ---- indexing -----------------------------------------------------------------------
 
     fn check_starts(&self, op: &str, x: &Value, starts: &[&Value]) {

@@ -16,7 +16,7 @@ use super::GraphOptions;
 use crate::emit::{
     Cmp, DotDims, ElemType, FuncBuilder, Reduction, Region, Scalar, TensorType, Value,
 };
-use crate::kernels;
+use crate::kernels::{self, SpirvAttention};
 
 /// Mask value of invisible attention scores: finite, so that a padding row that sees no key gets
 /// a uniform (finite) softmax instead of NaN, and `exp(MASKED - max)` is exactly 0 for a row
@@ -805,11 +805,14 @@ impl<'a> Forward<'a> {
         let v = self.zero_padding(&v, ch);
 
         let kernel = self.object_attention_fits(c);
+        let spirv = self.spirv_attention_fits(c);
         let (k_buf, v_buf, o) = match kind {
             LayerKind::Sliding => {
                 let (k_buf, v_buf) = self.write_rows(&k, &v, k_buf, v_buf, &ch.ring_start);
-                let o = if kernel {
-                    let window = cfg.sliding_window;
+                let window = cfg.sliding_window;
+                let o = if let Some(objects) = spirv {
+                    self.spirv_attend(objects, &q, &k_buf, &v_buf, ch, ch.sliding_rows, window)
+                } else if kernel {
                     self.object_attend(&q, &k_buf, &v_buf, ch, ch.sliding_rows, window)
                 } else {
                     let (keys, values) = self.first_rows(&k_buf, &v_buf, ch.sliding_rows);
@@ -819,9 +822,11 @@ impl<'a> Forward<'a> {
             }
             LayerKind::Global => {
                 let (k_buf, v_buf) = self.write_rows(&k, &v, k_buf, v_buf, &ch.global_start);
-                let o = if kernel {
-                    // The kernel reads the visible rows only, whatever the span.
-                    let rows = self.span.unwrap_or(cfg.context_capacity);
+                // The kernels read the visible rows only, whatever the span.
+                let rows = self.span.unwrap_or(cfg.context_capacity);
+                let o = if let Some(objects) = spirv {
+                    self.spirv_attend(objects, &q, &k_buf, &v_buf, ch, rows, 0)
+                } else if kernel {
                     self.object_attend(&q, &k_buf, &v_buf, ch, rows, 0)
                 } else {
                     let spans = match self.span {
@@ -870,6 +875,58 @@ impl<'a> Forward<'a> {
             && cfg.attn_logit_softcapping.is_none()
             && cfg.head_dim.is_multiple_of(16)
             && heads_fit
+    }
+
+    /// The SPIR-V attention kernels for a `c`-row chunk, with
+    /// [`GraphOptions::spirv_attention`]: the decode step's one row, where the model has no
+    /// score soft-capping and at most [`kernels::SPIRV_MAX_GROUP`] query heads a key/value
+    /// head.
+    fn spirv_attention_fits(&self, c: usize) -> Option<SpirvAttention> {
+        let cfg = self.cfg;
+        let fits = c == 1
+            && cfg.attn_logit_softcapping.is_none()
+            && cfg.group_size() <= kernels::SPIRV_MAX_GROUP;
+        self.opts.spirv_attention.filter(|_| fits)
+    }
+
+    /// The decode step's attention of `q` (`[1, kvh, g, hd]`) over the first `rows` rows of
+    /// the layer's buffers by kvsnap's SPIR-V kernels ([`SpirvAttention`]), reading only the
+    /// visible rows (a sliding layer's, `window` set, by the ring's positions; a global
+    /// layer's, `window` 0, up to the query): a split's workgroup every
+    /// [`kernels::SPIRV_SPLIT_ROWS`] rows and key/value head, then one a query head to merge
+    /// them. Returns `[kvh, 1, g, hd]`, as [`Forward::attend`].
+    #[allow(clippy::too_many_arguments)]
+    fn spirv_attend(
+        &mut self,
+        objects: SpirvAttention,
+        q: &Value,
+        k_buf: &Value,
+        v_buf: &Value,
+        ch: &Chunk,
+        rows: usize,
+        window: usize,
+    ) -> Value {
+        let cfg = self.cfg;
+        let (kvh, g, hd) = (cfg.num_key_value_heads, cfg.group_size(), cfg.head_dim);
+        let splits = rows.div_ceil(kernels::SPIRV_SPLIT_ROWS);
+        let scale = cfg.attn_scale().to_bits();
+        let q = self.b.reshape(q, &[kvh, g, hd]);
+        let [kvh_, g_, hd_, splits_] = [kvh, g, hd, splits].map(|x| x as u32);
+        let part = self.b.dispatch_spirv(
+            objects.split.name,
+            [splits, kvh, 1],
+            &[kvh_, g_, hd_, rows as u32, window as u32, scale, splits_],
+            &[&q, k_buf, v_buf, &ch.positions, &ch.bounds],
+            TensorType::f32(&[splits, kvh, g, hd + 2]),
+        );
+        let o = self.b.dispatch_spirv(
+            objects.merge.name,
+            [kvh * g, 1, 1],
+            &[kvh_, g_, hd_, splits_],
+            &[&part],
+            TensorType::f32(&[kvh, g, hd]),
+        );
+        self.b.reshape(&o, &[kvh, 1, g, hd])
     }
 
     /// The decode step's attention of `q` (`[1, kvh, g, hd]`) over the layer's buffers by
