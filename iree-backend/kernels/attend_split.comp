@@ -10,15 +10,21 @@
 // buffer, `window` 0). A global layer's splits divide its first min(rows, query + 1, end)
 // rows, a sliding layer's all `rows`; `splits` is at least rows / SPLIT_ROWS (rounded up), so
 // no split holds more than SPLIT_ROWS rows.
-#extension GL_KHR_shader_subgroup_basic : require
-#extension GL_KHR_shader_subgroup_arithmetic : require
+//
+// The K and V rows come from device memory, far from the workgroup (about half a microsecond
+// a load): every thread issues UNROLL independent loads before it uses them, where a loop of
+// one load at a time would wait that long for each.
 #extension GL_GOOGLE_include_directive : require
 
 #include "exp.glsl"
 
 #define THREADS 256
 #define MAX_GROUP 8
+#define MAX_HEAD_DIM 256
 #define SPLIT_ROWS 32
+// Threads that score one row together (THREADS / SPLIT_ROWS), each over every LANES-th dim.
+#define LANES 8
+#define UNROLL 8
 #define EMPTY (-3.0e38)
 
 layout(local_size_x = THREADS) in;
@@ -40,8 +46,10 @@ layout(push_constant) uniform Params {
   uint splits;
 } pc;
 
+shared float query_row[MAX_GROUP * MAX_HEAD_DIM];
+shared float partial[MAX_GROUP][THREADS]; // each thread's share of its row's dot products
 shared float weight[MAX_GROUP][SPLIT_ROWS]; // scores, then e^(s - m)
-shared uint visible[SPLIT_ROWS];
+shared bool visible[SPLIT_ROWS];
 shared float maximum[MAX_GROUP];
 
 void main() {
@@ -56,32 +64,48 @@ void main() {
   }
   const uint r0 = split * live / pc.splits, r1 = (split + 1) * live / pc.splits, n = r1 - r0;
 
-  // Scores: a subgroup a row, its lanes across the head's dims.
-  for (uint i = gl_SubgroupID; i < n; i += gl_NumSubgroups) {
-    const uint r = r0 + i;
+  for (uint x = t; x < g * hd; x += THREADS)
+    query_row[x] = q[h * g * hd + x];
+  if (t < n) {
+    const uint r = r0 + t;
     const int kp = pc.window != 0 ? pos[r] - 1 : int(r);
-    const bool seen = kp >= 0 && kp <= query && kp < end &&
-                      (pc.window == 0 || kp > query - int(pc.window));
-    if (gl_SubgroupInvocationID == 0)
-      visible[i] = seen ? 1 : 0;
-    if (!seen)
-      continue;
-    float dot[MAX_GROUP];
-    for (uint j = 0; j < MAX_GROUP; ++j)
-      dot[j] = 0.0;
-    const uint key = r * stride + h * hd;
-    for (uint d = gl_SubgroupInvocationID; d < hd; d += gl_SubgroupSize) {
-      const float kd = k[key + d];
-      for (uint j = 0; j < MAX_GROUP; ++j)
-        if (j < g)
-          dot[j] = fma(q[(h * g + j) * hd + d], kd, dot[j]);
-    }
-    for (uint j = 0; j < MAX_GROUP; ++j) {
-      if (j < g) {
-        const float sum = subgroupAdd(dot[j]);
-        if (gl_SubgroupInvocationID == 0)
-          weight[j][i] = sum * scale;
+    visible[t] = kp >= 0 && kp <= query && kp < end &&
+                 (pc.window == 0 || kp > query - int(pc.window));
+  }
+  barrier();
+
+  // Scores: LANES threads a row, each over the dims lane, lane + LANES, ...
+  const uint i = t / LANES, lane = t % LANES;
+  float dot[MAX_GROUP];
+  for (uint j = 0; j < MAX_GROUP; ++j)
+    dot[j] = 0.0;
+  if (i < n && visible[i]) {
+    const uint key = (r0 + i) * stride + h * hd;
+    for (uint d0 = lane; d0 < hd; d0 += LANES * UNROLL) {
+      float kd[UNROLL];
+      for (uint u = 0; u < UNROLL; ++u) {
+        const uint d = d0 + u * LANES;
+        kd[u] = d < hd ? k[key + d] : 0.0;
       }
+      for (uint u = 0; u < UNROLL; ++u) {
+        const uint d = min(d0 + u * LANES, hd - 1);
+        for (uint j = 0; j < MAX_GROUP; ++j)
+          if (j < g)
+            dot[j] = fma(query_row[j * hd + d], kd[u], dot[j]);
+      }
+    }
+  }
+  for (uint j = 0; j < MAX_GROUP; ++j)
+    if (j < g)
+      partial[j][t] = dot[j];
+  barrier();
+  if (t < g * SPLIT_ROWS) {
+    const uint j = t / SPLIT_ROWS, row = t % SPLIT_ROWS;
+    if (row < n && visible[row]) {
+      float s = 0.0;
+      for (uint l = 0; l < LANES; ++l)
+        s += partial[j][row * LANES + l];
+      weight[j][row] = s * scale;
     }
   }
   barrier();
@@ -89,31 +113,37 @@ void main() {
   // Each query head's maximum over the visible rows, then the rows' weights.
   if (t < g) {
     float top = EMPTY;
-    for (uint i = 0; i < n; ++i)
-      if (visible[i] != 0)
-        top = max(top, weight[t][i]);
+    for (uint row = 0; row < n; ++row)
+      if (visible[row])
+        top = max(top, weight[t][row]);
     maximum[t] = top;
   }
   barrier();
-  for (uint x = t; x < g * SPLIT_ROWS; x += THREADS) {
-    const uint j = x / SPLIT_ROWS, i = x % SPLIT_ROWS;
-    if (i < n)
-      weight[j][i] = visible[i] != 0 ? exp_poly(weight[j][i] - maximum[j]) : 0.0;
+  if (t < g * SPLIT_ROWS) {
+    const uint j = t / SPLIT_ROWS, row = t % SPLIT_ROWS;
+    if (row < n)
+      weight[j][row] = visible[row] ? exp_poly(weight[j][row] - maximum[j]) : 0.0;
   }
   barrier();
 
+  // The weighted values: a thread a dim, UNROLL rows' values loaded at a time.
   const uint slot = hd + 2, base = (split * pc.kv_heads + h) * g * slot;
   for (uint d = t; d < hd; d += THREADS) {
     float acc[MAX_GROUP];
     for (uint j = 0; j < MAX_GROUP; ++j)
       acc[j] = 0.0;
-    for (uint i = 0; i < n; ++i) {
-      if (visible[i] == 0)
-        continue;
-      const float vd = v[(r0 + i) * stride + h * hd + d];
-      for (uint j = 0; j < MAX_GROUP; ++j)
-        if (j < g)
-          acc[j] = fma(weight[j][i], vd, acc[j]);
+    for (uint i0 = 0; i0 < n; i0 += UNROLL) {
+      float vd[UNROLL];
+      for (uint u = 0; u < UNROLL; ++u) {
+        const uint row = i0 + u;
+        vd[u] = row < n && visible[row] ? v[(r0 + row) * stride + h * hd + d] : 0.0;
+      }
+      for (uint u = 0; u < UNROLL; ++u) {
+        const uint row = min(i0 + u, SPLIT_ROWS - 1);
+        for (uint j = 0; j < MAX_GROUP; ++j)
+          if (j < g)
+            acc[j] = fma(i0 + u < n ? weight[j][row] : 0.0, vd[u], acc[j]);
+      }
     }
     for (uint j = 0; j < MAX_GROUP; ++j)
       if (j < g)
@@ -121,8 +151,8 @@ void main() {
   }
   if (t < g) {
     float l = 0.0;
-    for (uint i = 0; i < n; ++i)
-      l += weight[t][i];
+    for (uint row = 0; row < n; ++row)
+      l += weight[t][row];
     part[base + t * slot + hd] = maximum[t];
     part[base + t * slot + hd + 1] = l;
   }

@@ -81,6 +81,9 @@ pub const ATTEND_CHUNK_ENTRY: &str = "kvsnap_kernels::@attend_c";
 pub const SPIRV_SPLIT_ROWS: usize = 32;
 /// Most query heads a key/value head serves in the Vulkan attention (`MAX_GROUP`).
 pub const SPIRV_MAX_GROUP: usize = 8;
+/// Largest head dimension the Vulkan attention holds (`MAX_HEAD_DIM`: the query heads of a
+/// key/value head in shared memory).
+pub const SPIRV_MAX_HEAD_DIM: usize = 256;
 
 /// The decode step's attention on Vulkan, two SPIR-V objects dispatched by
 /// [`crate::emit::FuncBuilder::dispatch_spirv`]:

@@ -879,13 +879,14 @@ impl<'a> Forward<'a> {
 
     /// The SPIR-V attention kernels for a `c`-row chunk, with
     /// [`GraphOptions::spirv_attention`]: the decode step's one row, where the model has no
-    /// score soft-capping and at most [`kernels::SPIRV_MAX_GROUP`] query heads a key/value
-    /// head.
+    /// score soft-capping, at most [`kernels::SPIRV_MAX_GROUP`] query heads a key/value
+    /// head and head dims of at most [`kernels::SPIRV_MAX_HEAD_DIM`].
     fn spirv_attention_fits(&self, c: usize) -> Option<SpirvAttention> {
         let cfg = self.cfg;
         let fits = c == 1
             && cfg.attn_logit_softcapping.is_none()
-            && cfg.group_size() <= kernels::SPIRV_MAX_GROUP;
+            && cfg.group_size() <= kernels::SPIRV_MAX_GROUP
+            && cfg.head_dim <= kernels::SPIRV_MAX_HEAD_DIM;
         self.opts.spirv_attention.filter(|_| fits)
     }
 
