@@ -9,7 +9,7 @@
 
 #include "exp.glsl"
 
-#define THREADS 256
+#define THREADS 128
 #define UNROLL 8
 #define EMPTY (-3.0e38)
 

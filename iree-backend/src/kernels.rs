@@ -78,7 +78,7 @@ pub const ATTEND_CHUNK_ENTRY: &str = "kvsnap_kernels::@attend_c";
 
 /// Most key rows a workgroup of the Vulkan attention takes (`SPLIT_ROWS` in
 /// attend_split.comp): a layer's rows come in at least `rows / SPIRV_SPLIT_ROWS` splits.
-pub const SPIRV_SPLIT_ROWS: usize = 32;
+pub const SPIRV_SPLIT_ROWS: usize = 16;
 /// Most query heads a key/value head serves in the Vulkan attention (`MAX_GROUP`).
 pub const SPIRV_MAX_GROUP: usize = 8;
 /// Largest head dimension the Vulkan attention holds (`MAX_HEAD_DIM`: the query heads of a

@@ -1334,7 +1334,7 @@ fn vulkan_attends_few_query_rows_in_blocks_of_keys() {
 
 /// With the SPIR-V attention ([`GraphOptions::spirv_attention`]) every decode step's layer,
 /// in the one-step and the multi-step entry points, attends in two dispatches of the two
-/// objects: a split every 32 rows of a sliding layer's ring rows seen and of a global layer's
+/// objects: a split every 16 rows of a sliding layer's ring rows seen and of a global layer's
 /// span, then the merge; no scores tensor of one query row. Chunks keep IREE's code.
 #[test]
 fn vulkan_decode_steps_attend_in_the_spirv_kernels() {
@@ -1354,19 +1354,19 @@ fn vulkan_decode_steps_attend_in_the_spirv_kernels() {
     assert_eq!(g.objects, [kernels.split, kernels.merge]);
     let (layers, capacity) = (cfg.num_layers(), cfg.context_capacity);
     let ring = g.manifest.ring;
-    assert_eq!(SPIRV_SPLIT_ROWS, 32);
+    assert_eq!(SPIRV_SPLIT_ROWS, 16);
     let split = |rows: usize, buf: usize| {
         format!(
             "(i32, i32, i32, i32, i32, i32, i32, tensor<1x4x256xf32>, tensor<{buf}x1x256xf32>, \
              tensor<{buf}x1x256xf32>, tensor<{}xi32>, tensor<2xi32>) -> tensor<{}x1x4x258xf32>",
             ring.rows,
-            rows.div_ceil(32)
+            rows.div_ceil(16)
         )
     };
     let merge = |rows: usize| {
         format!(
             "(i32, i32, i32, i32, tensor<{}x1x4x258xf32>) -> tensor<1x4x256xf32>",
-            rows.div_ceil(32)
+            rows.div_ceil(16)
         )
     };
     let globals = global_layers(&cfg);
@@ -1391,7 +1391,7 @@ fn vulkan_decode_steps_attend_in_the_spirv_kernels() {
             assert_eq!(calls, n * e.steps, "{}: splits of {rows} rows", e.name);
         }
         let mut merges = body.matches(&merge(sliding)).count();
-        if global.div_ceil(32) != sliding.div_ceil(32) {
+        if global.div_ceil(16) != sliding.div_ceil(16) {
             merges += body.matches(&merge(global)).count();
         }
         assert_eq!(merges, layers * e.steps, "{}: merges", e.name);
