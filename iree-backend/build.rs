@@ -69,8 +69,8 @@ fn out_dir() -> PathBuf {
     PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR"))
 }
 
-/// The Vulkan shaders, for SPIR-V 1.3 (Vulkan 1.1: subgroup arithmetic); sets the cfg
-/// `kvsnap_spirv_kernels` when all compiled.
+/// The Vulkan shaders, for SPIR-V 1.3 (Vulkan 1.1); sets the cfg `kvsnap_spirv_kernels`
+/// when all compiled.
 fn shaders() {
     println!("cargo::rustc-check-cfg=cfg(kvsnap_spirv_kernels)");
     println!("cargo::rerun-if-env-changed=GLSLANG_VALIDATOR");

@@ -804,19 +804,17 @@ impl<'a> Forward<'a> {
         let k = self.zero_padding(&k, ch);
         let v = self.zero_padding(&v, ch);
 
-        let kernel = self.object_attention_fits(c);
-        let spirv = self.spirv_attention_fits(c);
         let (k_buf, v_buf, o) = match kind {
             LayerKind::Sliding => {
                 let (k_buf, v_buf) = self.write_rows(&k, &v, k_buf, v_buf, &ch.ring_start);
                 let window = cfg.sliding_window;
-                let o = if let Some(objects) = spirv {
-                    self.spirv_attend(objects, &q, &k_buf, &v_buf, ch, ch.sliding_rows, window)
-                } else if kernel {
-                    self.object_attend(&q, &k_buf, &v_buf, ch, ch.sliding_rows, window)
-                } else {
-                    let (keys, values) = self.first_rows(&k_buf, &v_buf, ch.sliding_rows);
-                    self.attend(&q, &keys, &values, &ch.sliding_mask)
+                let rows = ch.sliding_rows;
+                let o = match self.kernel_attend(&q, &k_buf, &v_buf, ch, rows, window) {
+                    Some(o) => o,
+                    None => {
+                        let (keys, values) = self.first_rows(&k_buf, &v_buf, rows);
+                        self.attend(&q, &keys, &values, &ch.sliding_mask)
+                    }
                 };
                 (k_buf, v_buf, o)
             }
@@ -824,17 +822,18 @@ impl<'a> Forward<'a> {
                 let (k_buf, v_buf) = self.write_rows(&k, &v, k_buf, v_buf, &ch.global_start);
                 // The kernels read the visible rows only, whatever the span.
                 let rows = self.span.unwrap_or(cfg.context_capacity);
-                let o = if let Some(objects) = spirv {
-                    self.spirv_attend(objects, &q, &k_buf, &v_buf, ch, rows, 0)
-                } else if kernel {
-                    self.object_attend(&q, &k_buf, &v_buf, ch, rows, 0)
-                } else {
-                    let spans = match self.span {
-                        Some(span) => vec![span],
-                        None if self.opts.branches_for(c) => global_spans(cfg.context_capacity, c),
-                        None => vec![cfg.context_capacity],
-                    };
-                    self.attend_live(&q, &k_buf, &v_buf, ch, &spans)
+                let o = match self.kernel_attend(&q, &k_buf, &v_buf, ch, rows, 0) {
+                    Some(o) => o,
+                    None => {
+                        let spans = match self.span {
+                            Some(span) => vec![span],
+                            None if self.opts.branches_for(c) => {
+                                global_spans(cfg.context_capacity, c)
+                            }
+                            None => vec![cfg.context_capacity],
+                        };
+                        self.attend_live(&q, &k_buf, &v_buf, ch, &spans)
+                    }
                 };
                 (k_buf, v_buf, o)
             }
@@ -875,6 +874,28 @@ impl<'a> Forward<'a> {
             && cfg.attn_logit_softcapping.is_none()
             && cfg.head_dim.is_multiple_of(16)
             && heads_fit
+    }
+
+    /// The attention of `q` over the first `rows` rows of the layer's buffers (`window` set
+    /// for a sliding layer, 0 for a global one) in kvsnap's kernels where they take the
+    /// chunk: the SPIR-V ones ([`Forward::spirv_attend`]), else the linked object's
+    /// ([`Forward::object_attend`]); `None` where IREE's code runs it.
+    fn kernel_attend(
+        &mut self,
+        q: &Value,
+        k_buf: &Value,
+        v_buf: &Value,
+        ch: &Chunk,
+        rows: usize,
+        window: usize,
+    ) -> Option<Value> {
+        if let Some(objects) = self.spirv_attention_fits(ch.c) {
+            Some(self.spirv_attend(objects, q, k_buf, v_buf, ch, rows, window))
+        } else if self.object_attention_fits(ch.c) {
+            Some(self.object_attend(q, k_buf, v_buf, ch, rows, window))
+        } else {
+            None
+        }
     }
 
     /// The SPIR-V attention kernels for a `c`-row chunk, with
