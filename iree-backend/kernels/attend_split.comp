@@ -5,6 +5,12 @@
 // sum of values, its maximum score and its sum of weights (`part`: [splits][kv_heads][group]
 // [head_dim + 2]); attend_merge.comp merges the splits.
 //
+// The step's own K and V rows (`k_row`, `v_row`) arrive beside the buffers and are stored
+// here, at row `start[0]`, by the first split's workgroups (each its head's): the buffers are
+// the dispatch's in-place results, where a dispatch of their own would write them first. No
+// workgroup reads that row of the buffers: the one whose split holds it scores it from
+// `k_row` and `v_row`.
+//
 // A key row is visible when its position kp satisfies 0 <= kp <= query, kp < end and, with a
 // window, kp > query - window (`pos[r] - 1`, a sliding layer's ring; `r`, a global layer's
 // buffer, `window` 0). A global layer's splits divide its first min(rows, query + 1, end)
@@ -34,11 +40,14 @@
 layout(local_size_x = THREADS) in;
 
 layout(set = 0, binding = 0) readonly buffer Query { float q[]; };     // [kv_heads][group][head_dim]
-layout(set = 0, binding = 1) readonly buffer Keys { float k[]; };      // [buf_rows][kv_heads][head_dim]
-layout(set = 0, binding = 2) readonly buffer Values { float v[]; };    // [buf_rows][kv_heads][head_dim]
+layout(set = 0, binding = 1) readonly buffer KeyRow { float k_row[]; }; // [kv_heads][head_dim]
+layout(set = 0, binding = 2) readonly buffer ValueRow { float v_row[]; };
 layout(set = 0, binding = 3) readonly buffer Positions { int pos[]; }; // [pos_rows]: p + 1, 0 empty
 layout(set = 0, binding = 4) readonly buffer Bounds { int lim[]; };    // {query, end}
-layout(set = 0, binding = 5) writeonly buffer Parts { float part[]; };
+layout(set = 0, binding = 5) readonly buffer Start { int start[]; };   // {the new row's row}
+layout(set = 0, binding = 6) buffer Keys { float k[]; };               // [buf_rows][kv_heads][head_dim]
+layout(set = 0, binding = 7) buffer Values { float v[]; };             // [buf_rows][kv_heads][head_dim]
+layout(set = 0, binding = 8) writeonly buffer Parts { float part[]; };
 
 layout(push_constant) uniform Params {
   uint kv_heads;
@@ -67,6 +76,13 @@ void main() {
     live = seen <= 0 ? 0 : min(uint(seen), pc.rows);
   }
   const uint r0 = split * live / pc.splits, r1 = (split + 1) * live / pc.splits, n = r1 - r0;
+  const uint fresh = uint(start[0]), head = h * hd;
+
+  if (split == 0)
+    for (uint d = t; d < hd; d += THREADS) {
+      k[fresh * stride + head + d] = k_row[head + d];
+      v[fresh * stride + head + d] = v_row[head + d];
+    }
 
   for (uint x = t; x < g * hd; x += THREADS)
     query_row[x] = q[h * g * hd + x];
@@ -84,12 +100,13 @@ void main() {
   for (uint j = 0; j < MAX_GROUP; ++j)
     dot[j] = 0.0;
   if (i < n && visible[i]) {
-    const uint key = (r0 + i) * stride + h * hd;
+    const bool own = r0 + i == fresh;
+    const uint key = (r0 + i) * stride + head;
     for (uint d0 = lane; d0 < hd; d0 += LANES * UNROLL) {
       float kd[UNROLL];
       for (uint u = 0; u < UNROLL; ++u) {
         const uint d = d0 + u * LANES;
-        kd[u] = d < hd ? k[key + d] : 0.0;
+        kd[u] = d >= hd ? 0.0 : own ? k_row[head + d] : k[key + d];
       }
       for (uint u = 0; u < UNROLL; ++u) {
         const uint d = min(d0 + u * LANES, hd - 1);
@@ -139,8 +156,10 @@ void main() {
     for (uint i0 = 0; i0 < n; i0 += UNROLL) {
       float vd[UNROLL];
       for (uint u = 0; u < UNROLL; ++u) {
-        const uint row = i0 + u;
-        vd[u] = row < n && visible[row] ? v[(r0 + row) * stride + h * hd + d] : 0.0;
+        const uint row = i0 + u, r = r0 + row;
+        vd[u] = row >= n || !visible[row] ? 0.0
+                : r == fresh                ? v_row[head + d]
+                                            : v[r * stride + head + d];
       }
       for (uint u = 0; u < UNROLL; ++u) {
         const uint row = min(i0 + u, SPLIT_ROWS - 1);

@@ -1335,7 +1335,9 @@ fn vulkan_attends_few_query_rows_in_blocks_of_keys() {
 /// With the SPIR-V attention ([`GraphOptions::spirv_attention`]) every decode step's layer,
 /// in the one-step and the multi-step entry points, attends in two dispatches of the two
 /// objects: a split every 16 rows of a sliding layer's ring rows seen and of a global layer's
-/// span, then the merge; no scores tensor of one query row. Chunks keep IREE's code.
+/// span, which also stores the step's K and V rows in the layer's buffers (its in-place
+/// results), then the merge; no scores tensor of one query row, and the only scatter a
+/// step's is the ring's positions'. Chunks keep IREE's code.
 #[test]
 fn vulkan_decode_steps_attend_in_the_spirv_kernels() {
     use kvsnap_iree::kernels::{SpirvAttention, SPIRV_SPLIT_ROWS};
@@ -1355,17 +1357,22 @@ fn vulkan_decode_steps_attend_in_the_spirv_kernels() {
     let (layers, capacity) = (cfg.num_layers(), cfg.context_capacity);
     let ring = g.manifest.ring;
     assert_eq!(SPIRV_SPLIT_ROWS, 16);
+    // The split's operands, its parts, then the two buffers in place.
     let split = |rows: usize, buf: usize| {
-        format!(
-            "(i32, i32, i32, i32, i32, i32, i32, tensor<1x4x256xf32>, tensor<{buf}x1x256xf32>, \
-             tensor<{buf}x1x256xf32>, tensor<{}xi32>, tensor<2xi32>) -> tensor<{}x1x4x258xf32>",
-            ring.rows,
-            rows.div_ceil(16)
+        let kv = format!("tensor<{buf}x1x256xf32>");
+        let operands = format!(
+            "(i32, i32, i32, i32, i32, i32, i32, tensor<1x4x256xf32>, tensor<1x1x256xf32>, \
+             tensor<1x1x256xf32>, tensor<{}xi32>, tensor<2xi32>, tensor<i32>, {kv}, {kv})",
+            ring.rows
+        );
+        (
+            operands,
+            format!("tensor<{}x1x4x258xf32>", rows.div_ceil(16)),
         )
     };
     let merge = |rows: usize| {
         format!(
-            "(i32, i32, i32, i32, tensor<{}x1x4x258xf32>) -> tensor<1x4x256xf32>",
+            "(i32, i32, i32, i32, tensor<{}x1x4x258xf32>) -> (tensor<1x4x256xf32>)",
             rows.div_ceil(16)
         )
     };
@@ -1387,7 +1394,8 @@ fn vulkan_decode_steps_attend_in_the_spirv_kernels() {
             (sliding, ring.rows, layers - globals),
             (global, capacity, globals),
         ] {
-            let calls = body.matches(&split(rows, buf)).count();
+            let (operands, parts) = split(rows, buf);
+            let calls = in_place_externs(body, &operands, &parts, 2);
             assert_eq!(calls, n * e.steps, "{}: splits of {rows} rows", e.name);
         }
         let mut merges = body.matches(&merge(sliding)).count();
@@ -1402,8 +1410,36 @@ fn vulkan_decode_steps_attend_in_the_spirv_kernels() {
         for rows in [ring.modulus, ring.rows, sliding, global] {
             assert!(!attends_over(body, (1, 1, 4), rows), "{}: scores", e.name);
         }
+        let scatters = body.matches(r#""stablehlo.scatter"("#).count();
+        assert_eq!(
+            scatters, e.steps,
+            "{}: the positions' scatters only",
+            e.name
+        );
     }
     assert!(steps_seen > 16, "one-step and multi-step entry points");
+}
+
+/// How many `hal.dispatch.extern` calls in `body` have the operand types `operands` and
+/// return `result`, then their last `tied` operands in place (`-> (result, %a, %b)`, `%a`
+/// and `%b` the operands).
+fn in_place_externs(body: &str, operands: &str, result: &str, tied: usize) -> usize {
+    let calls = body
+        .lines()
+        .filter_map(|l| l.split_once(" = hal.dispatch.extern "));
+    calls
+        .filter(|(_, call)| {
+            let Some((args, signature)) = call.split_once(") : ") else {
+                return false;
+            };
+            let Some((_, args)) = args.split_once("](") else {
+                return false;
+            };
+            let args: Vec<&str> = args.split(", ").collect();
+            let last = args[args.len().saturating_sub(tied)..].join(", ");
+            signature == format!("{operands} -> ({result}, {last})")
+        })
+        .count()
 }
 
 #[test]

@@ -947,17 +947,25 @@ impl FuncBuilder {
 
     /// Emits `hal.dispatch.extern` of the SPIR-V object `object` (its entry point `main`, a
     /// file name the compiler finds on its object search path): `groups` workgroups, the
-    /// `u32` push constants `constants`, the tensors `args` as read-only storage buffers
-    /// (bindings 0, 1, ... in order), then the result, of type `result`, as the last binding.
-    /// The object is the whole executable, so the shader's own declarations must match.
+    /// `u32` push constants `constants`, the tensors `args` as storage buffers (bindings 0,
+    /// 1, ... in order), then the result, of type `result`, as the last binding. The args at
+    /// the indices `in_place` are read-write bindings the kernel also writes, and results
+    /// too, in their operands' storage; the others are read-only. Returns the result, then
+    /// the in-place ones in `in_place`'s order. The object is the whole executable, so the
+    /// shader's own declarations must match.
     pub fn dispatch_spirv(
         &mut self,
         object: &str,
         groups: [usize; 3],
         constants: &[u32],
-        args: &[&Value],
+        (args, in_place): (&[&Value], &[usize]),
         result: TensorType,
-    ) -> Value {
+    ) -> Vec<Value> {
+        assert!(
+            in_place.iter().all(|&i| i < args.len()),
+            "dispatch_spirv: in-place operands {in_place:?} of {} args",
+            args.len()
+        );
         let mut names = Vec::new();
         for g in groups {
             let name = self.fresh_name();
@@ -976,9 +984,11 @@ impl FuncBuilder {
         operands.extend(args.iter().map(|v| v.to_string()));
         let mut tys = vec!["i32".to_string(); constants.len()];
         tys.extend(args.iter().map(|v| v.ty.to_string()));
-        let bindings: Vec<&str> = args
-            .iter()
-            .map(|_| "#hal.pipeline.binding<storage_buffer, ReadOnly>")
+        let bindings: Vec<&str> = (0..args.len())
+            .map(|i| match in_place.contains(&i) {
+                true => "#hal.pipeline.binding<storage_buffer>",
+                false => "#hal.pipeline.binding<storage_buffer, ReadOnly>",
+            })
             .chain(["#hal.pipeline.binding<storage_buffer>"])
             .collect();
         let (d, x, y, z) = (
@@ -987,19 +997,26 @@ impl FuncBuilder {
             self.fresh_name(),
             self.fresh_name(),
         );
-        let r = self.fresh(result);
+        let mut results = vec![self.fresh(result)];
+        let mut result_tys = vec![results[0].ty.to_string()];
+        for &i in in_place {
+            results.push(self.fresh(args[i].ty.clone()));
+            result_tys.push(args[i].to_string());
+        }
+        let names_out: Vec<String> = results.iter().map(|r| r.to_string()).collect();
         writeln!(
             self.body,
-            "    {r} = hal.dispatch.extern \"main\"[{}]({}) : ({}) -> {}\n      count({d}: !hal.device, {x}: index, {y}: index, {z}: index) -> (index, index, index) {{\n        hal.return {x}, {y}, {z} : index, index, index\n      }}\n      layout(#hal.pipeline.layout<constants = {}, bindings = [{}]>)\n      objects({{#hal.executable.target<\"vulkan-spirv\", \"vulkan-spirv-fb\"> ordinal(0) = [#hal.executable.object<{{path = \"{object}\"}}>]}})",
+            "    {} = hal.dispatch.extern \"main\"[{}]({}) : ({}) -> ({})\n      count({d}: !hal.device, {x}: index, {y}: index, {z}: index) -> (index, index, index) {{\n        hal.return {x}, {y}, {z} : index, index, index\n      }}\n      layout(#hal.pipeline.layout<constants = {}, bindings = [{}]>)\n      objects({{#hal.executable.target<\"vulkan-spirv\", \"vulkan-spirv-fb\"> ordinal(0) = [#hal.executable.object<{{path = \"{object}\"}}>]}})",
+            names_out.join(", "),
             names.join(", "),
             operands.join(", "),
             tys.join(", "),
-            r.ty,
+            result_tys.join(", "),
             constants.len(),
             bindings.join(", "),
         )
         .expect("writing to a String");
-        r
+        results
     }
 
     // ---- indexing -----------------------------------------------------------------------

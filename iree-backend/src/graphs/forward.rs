@@ -131,6 +131,19 @@ impl LayerWeights {
     }
 }
 
+/// Where a layer stores a chunk's K and V rows and which rows kvsnap's attention kernels
+/// divide among their workgroups.
+#[derive(Clone, Copy)]
+struct LayerRows<'a> {
+    /// The row of the layer's buffers the chunk's first row goes to: `[]` i32.
+    start: &'a Value,
+    /// The buffers' first `rows` rows (the visible ones among them are read).
+    rows: usize,
+    /// The sliding window for a sliding layer (its rows' positions in the ring's table), 0
+    /// for a global layer (row `r` holds position `r`).
+    window: usize,
+}
+
 /// cos and sin tables of one RoPE base for the chunk's positions.
 struct RopeTables {
     cos: Value, // [C, hd / 2]
@@ -804,27 +817,34 @@ impl<'a> Forward<'a> {
         let k = self.zero_padding(&k, ch);
         let v = self.zero_padding(&v, ch);
 
-        let (k_buf, v_buf, o) = match kind {
-            LayerKind::Sliding => {
-                let (k_buf, v_buf) = self.write_rows(&k, &v, k_buf, v_buf, &ch.ring_start);
-                let window = cfg.sliding_window;
-                let rows = ch.sliding_rows;
-                let o = match self.kernel_attend(&q, &k_buf, &v_buf, ch, rows, window) {
-                    Some(o) => o,
-                    None => {
-                        let (keys, values) = self.first_rows(&k_buf, &v_buf, rows);
+        // kvsnap's kernels read the visible rows only, whatever the span.
+        let at = match kind {
+            LayerKind::Sliding => LayerRows {
+                start: &ch.ring_start,
+                rows: ch.sliding_rows,
+                window: cfg.sliding_window,
+            },
+            LayerKind::Global => LayerRows {
+                start: &ch.global_start,
+                rows: self.span.unwrap_or(cfg.context_capacity),
+                window: 0,
+            },
+        };
+        let (k_buf, v_buf, o) = if let Some(objects) = self.spirv_attention_fits(c) {
+            let (o, [k_buf, v_buf]) =
+                self.spirv_attend(objects, &q, [&k, &v], [k_buf, v_buf], ch, at);
+            (k_buf, v_buf, o)
+        } else {
+            let (k_buf, v_buf) = self.write_rows(&k, &v, k_buf, v_buf, at.start);
+            let o = if self.object_attention_fits(c) {
+                self.object_attend(&q, &k_buf, &v_buf, ch, at)
+            } else {
+                match kind {
+                    LayerKind::Sliding => {
+                        let (keys, values) = self.first_rows(&k_buf, &v_buf, at.rows);
                         self.attend(&q, &keys, &values, &ch.sliding_mask)
                     }
-                };
-                (k_buf, v_buf, o)
-            }
-            LayerKind::Global => {
-                let (k_buf, v_buf) = self.write_rows(&k, &v, k_buf, v_buf, &ch.global_start);
-                // The kernels read the visible rows only, whatever the span.
-                let rows = self.span.unwrap_or(cfg.context_capacity);
-                let o = match self.kernel_attend(&q, &k_buf, &v_buf, ch, rows, 0) {
-                    Some(o) => o,
-                    None => {
+                    LayerKind::Global => {
                         let spans = match self.span {
                             Some(span) => vec![span],
                             None if self.opts.branches_for(c) => {
@@ -834,9 +854,9 @@ impl<'a> Forward<'a> {
                         };
                         self.attend_live(&q, &k_buf, &v_buf, ch, &spans)
                     }
-                };
-                (k_buf, v_buf, o)
-            }
+                }
+            };
+            (k_buf, v_buf, o)
         };
         // [kvh, C, g, hd] -> [C, kvh, g, hd] -> [C, heads * hd]
         let o = self.b.transpose(&o, &[1, 0, 2, 3]);
@@ -876,28 +896,6 @@ impl<'a> Forward<'a> {
             && heads_fit
     }
 
-    /// The attention of `q` over the first `rows` rows of the layer's buffers (`window` set
-    /// for a sliding layer, 0 for a global one) in kvsnap's kernels where they take the
-    /// chunk: the SPIR-V ones ([`Forward::spirv_attend`]), else the linked object's
-    /// ([`Forward::object_attend`]); `None` where IREE's code runs it.
-    fn kernel_attend(
-        &mut self,
-        q: &Value,
-        k_buf: &Value,
-        v_buf: &Value,
-        ch: &Chunk,
-        rows: usize,
-        window: usize,
-    ) -> Option<Value> {
-        if let Some(objects) = self.spirv_attention_fits(ch.c) {
-            Some(self.spirv_attend(objects, q, k_buf, v_buf, ch, rows, window))
-        } else if self.object_attention_fits(ch.c) {
-            Some(self.object_attend(q, k_buf, v_buf, ch, rows, window))
-        } else {
-            None
-        }
-    }
-
     /// The SPIR-V attention kernels for a `c`-row chunk, with
     /// [`GraphOptions::spirv_attention`]: the decode step's one row, where the model has no
     /// score soft-capping, at most [`kernels::SPIRV_MAX_GROUP`] query heads a key/value
@@ -911,51 +909,62 @@ impl<'a> Forward<'a> {
         self.opts.spirv_attention.filter(|_| fits)
     }
 
-    /// The decode step's attention of `q` (`[1, kvh, g, hd]`) over the first `rows` rows of
-    /// the layer's buffers by kvsnap's SPIR-V kernels ([`SpirvAttention`]), reading only the
-    /// visible rows (a sliding layer's, `window` set, by the ring's positions; a global
-    /// layer's, `window` 0, up to the query): a split's workgroup every
-    /// [`kernels::SPIRV_SPLIT_ROWS`] rows and key/value head, then one a query head to merge
-    /// them. Returns `[kvh, 1, g, hd]`, as [`Forward::attend`].
-    #[allow(clippy::too_many_arguments)]
+    /// The decode step's attention of `q` (`[1, kvh, g, hd]`) over the first `at.rows` rows
+    /// of the layer's buffers by kvsnap's SPIR-V kernels ([`SpirvAttention`]), reading only
+    /// the visible rows (a sliding layer's by the ring's positions, a global layer's up to
+    /// the query): a split's workgroup every [`kernels::SPIRV_SPLIT_ROWS`] rows and
+    /// key/value head, then one a query head to merge them. The split also stores the step's
+    /// K and V rows (`[1, kvh, hd]`) at row `at.start` of the buffers, in place, as
+    /// [`Forward::write_rows`] would before it.
+    ///
+    /// Returns the attention `[kvh, 1, g, hd]`, as [`Forward::attend`], and the buffers.
     fn spirv_attend(
         &mut self,
         objects: SpirvAttention,
         q: &Value,
-        k_buf: &Value,
-        v_buf: &Value,
+        [k, v]: [&Value; 2],
+        [k_buf, v_buf]: [&Value; 2],
         ch: &Chunk,
-        rows: usize,
-        window: usize,
-    ) -> Value {
+        at: LayerRows,
+    ) -> (Value, [Value; 2]) {
         let cfg = self.cfg;
         let (kvh, g, hd) = (cfg.num_key_value_heads, cfg.group_size(), cfg.head_dim);
+        let (rows, window) = (at.rows, at.window);
         let splits = rows.div_ceil(kernels::SPIRV_SPLIT_ROWS);
         let scale = cfg.attn_scale().to_bits();
         let q = self.b.reshape(q, &[kvh, g, hd]);
         let [kvh_, g_, hd_, splits_] = [kvh, g, hd, splits].map(|x| x as u32);
-        let part = self.b.dispatch_spirv(
-            objects.split.name,
-            [splits, kvh, 1],
-            &[kvh_, g_, hd_, rows as u32, window as u32, scale, splits_],
-            &[&q, k_buf, v_buf, &ch.positions, &ch.bounds],
-            TensorType::f32(&[splits, kvh, g, hd + 2]),
-        );
-        let o = self.b.dispatch_spirv(
-            objects.merge.name,
-            [kvh * g, 1, 1],
-            &[kvh_, g_, hd_, splits_],
-            &[&part],
-            TensorType::f32(&[kvh, g, hd]),
-        );
-        self.b.reshape(&o, &[kvh, 1, g, hd])
+        let args = [&q, k, v, &ch.positions, &ch.bounds, at.start, k_buf, v_buf];
+        let [part, k_buf, v_buf]: [Value; 3] = self
+            .b
+            .dispatch_spirv(
+                objects.split.name,
+                [splits, kvh, 1],
+                &[kvh_, g_, hd_, rows as u32, window as u32, scale, splits_],
+                (&args, &[6, 7]),
+                TensorType::f32(&[splits, kvh, g, hd + 2]),
+            )
+            .try_into()
+            .expect("the parts and the two buffers");
+        let [o]: [Value; 1] = self
+            .b
+            .dispatch_spirv(
+                objects.merge.name,
+                [kvh * g, 1, 1],
+                &[kvh_, g_, hd_, splits_],
+                (&[&part], &[]),
+                TensorType::f32(&[kvh, g, hd]),
+            )
+            .try_into()
+            .expect("one result");
+        (self.b.reshape(&o, &[kvh, 1, g, hd]), [k_buf, v_buf])
     }
 
     /// The decode step's attention of `q` (`[1, kvh, g, hd]`) over the layer's buffers by
     /// kvsnap's kernel ([`kernels`]): [`kernels::ATTEND_SPLITS`] workgroups, each over a
-    /// split of the first `rows` rows, read only where visible (a sliding layer's, `window`
-    /// set, by the ring's positions; a global layer's, `window` 0, up to the query), where the
-    /// graph's attention reads every row and masks. Each split gives its unnormalised
+    /// split of the first `at.rows` rows, read only where visible (a sliding layer's by the
+    /// ring's positions, a global layer's up to the query), where the graph's attention
+    /// reads every row and masks. Each split gives its unnormalised
     /// weighted sums `acc`, its maximum score `m` and its sum of weights `l` per query head;
     /// they merge as `sum(e^(m - M) acc) / sum(e^(m - M) l)`, `M` the maximum of the `m`.
     /// Returns `[kvh, 1, g, hd]`, as [`Forward::attend`].
@@ -970,9 +979,9 @@ impl<'a> Forward<'a> {
         k_buf: &Value,
         v_buf: &Value,
         ch: &Chunk,
-        rows: usize,
-        window: usize,
+        at: LayerRows,
     ) -> Value {
+        let (rows, window) = (at.rows, at.window);
         let cfg = self.cfg;
         let (kvh, g, hd) = (cfg.num_key_value_heads, cfg.group_size(), cfg.head_dim);
         let scale = cfg.attn_scale().to_bits() as usize;
