@@ -5,11 +5,14 @@
 // sum of values, its maximum score and its sum of weights (`part`: [splits][kv_heads][group]
 // [head_dim + 2]); attend_merge.comp merges the splits.
 //
-// The step's own K and V rows (`k_row`, `v_row`) arrive beside the buffers and are stored
-// here, at row `start[0]`, by the first split's workgroups (each its head's): the buffers are
-// the dispatch's in-place results, where a dispatch of their own would write them first. No
-// workgroup reads that row of the buffers: the one whose split holds it scores it from
-// `k_row` and `v_row`.
+// The step's query and key heads arrive as the projection gives them (`qk`: [heads +
+// kv_heads][head_dim], the queries first) and every workgroup norms and rotates its own, as
+// the graph's norm_rotate_heads: x / sqrt(mean(x^2) + eps) * (1 + w), then rotate-half RoPE,
+// x * [cos, cos] + [x2, x1] * [-sin, sin]. The first split's workgroups (each its head's)
+// store the step's key and value rows (`v_row`) at row `start[0]` of the buffers, the
+// dispatch's in-place results, where dispatches of their own would write them first. No
+// workgroup reads that row of the buffers: the one whose split holds it takes the rows from
+// shared memory and `v_row`.
 //
 // A key row is visible when its position kp satisfies 0 <= kp <= query, kp < end and, with a
 // window, kp > query - window (`pos[r] - 1`, a sliding layer's ring; `r`, a global layer's
@@ -21,7 +24,7 @@
 // a load): every thread issues UNROLL independent loads before it uses them, where a loop of
 // one load at a time would wait that long for each.
 //
-// 128 threads and at most 16 KB of shared memory (about 12.6 KB here): the least Vulkan
+// 128 threads and at most 16 KB of shared memory (about 14.1 KB here): the least Vulkan
 // promises (maxComputeWorkGroupInvocations, maxComputeSharedMemorySize), as IREE's generic
 // SPIR-V target assumes.
 #extension GL_GOOGLE_include_directive : require
@@ -39,15 +42,18 @@
 
 layout(local_size_x = THREADS) in;
 
-layout(set = 0, binding = 0) readonly buffer Query { float q[]; };     // [kv_heads][group][head_dim]
-layout(set = 0, binding = 1) readonly buffer KeyRow { float k_row[]; }; // [kv_heads][head_dim]
-layout(set = 0, binding = 2) readonly buffer ValueRow { float v_row[]; };
-layout(set = 0, binding = 3) readonly buffer Positions { int pos[]; }; // [pos_rows]: p + 1, 0 empty
-layout(set = 0, binding = 4) readonly buffer Bounds { int lim[]; };    // {query, end}
-layout(set = 0, binding = 5) readonly buffer Start { int start[]; };   // {the new row's row}
-layout(set = 0, binding = 6) buffer Keys { float k[]; };               // [buf_rows][kv_heads][head_dim]
-layout(set = 0, binding = 7) buffer Values { float v[]; };             // [buf_rows][kv_heads][head_dim]
-layout(set = 0, binding = 8) writeonly buffer Parts { float part[]; };
+layout(set = 0, binding = 0) readonly buffer Heads { float qk[]; };     // [heads + kv_heads][head_dim]
+layout(set = 0, binding = 1) readonly buffer ValueRow { float v_row[]; }; // [kv_heads][head_dim]
+layout(set = 0, binding = 2) readonly buffer QueryNorm { float q_norm[]; }; // [head_dim]: w
+layout(set = 0, binding = 3) readonly buffer KeyNorm { float k_norm[]; };
+layout(set = 0, binding = 4) readonly buffer Cos { float cos_t[]; };     // [head_dim / 2]
+layout(set = 0, binding = 5) readonly buffer Sin { float sin_t[]; };     // [2][head_dim / 2]: -sin, sin
+layout(set = 0, binding = 6) readonly buffer Positions { int pos[]; };   // [pos_rows]: p + 1, 0 empty
+layout(set = 0, binding = 7) readonly buffer Bounds { int lim[]; };      // {query, end}
+layout(set = 0, binding = 8) readonly buffer Start { int start[]; };     // {the step's row}
+layout(set = 0, binding = 9) buffer Keys { float k[]; };                 // [buf_rows][kv_heads][head_dim]
+layout(set = 0, binding = 10) buffer Values { float v[]; };              // [buf_rows][kv_heads][head_dim]
+layout(set = 0, binding = 11) writeonly buffer Parts { float part[]; };
 
 layout(push_constant) uniform Params {
   uint kv_heads;
@@ -57,10 +63,14 @@ layout(push_constant) uniform Params {
   uint window;
   uint scale_bits;
   uint splits;
+  uint eps_bits;
 } pc;
 
 shared float query_row[MAX_GROUP * MAX_HEAD_DIM];
-shared float partial[MAX_GROUP][THREADS]; // each thread's share of its row's dot products
+shared float key_row[MAX_HEAD_DIM];
+// Each thread's share of a head's sum of squares (the key's last), then of its row's dot
+// products.
+shared float partial[MAX_GROUP + 1][THREADS];
 shared float weight[MAX_GROUP][SPLIT_ROWS]; // scores, then e^(s - m)
 shared bool visible[SPLIT_ROWS];
 shared float maximum[MAX_GROUP];
@@ -78,14 +88,48 @@ void main() {
   const uint r0 = split * live / pc.splits, r1 = (split + 1) * live / pc.splits, n = r1 - r0;
   const uint fresh = uint(start[0]), head = h * hd;
 
-  if (split == 0)
-    for (uint d = t; d < hd; d += THREADS) {
-      k[fresh * stride + head + d] = k_row[head + d];
-      v[fresh * stride + head + d] = v_row[head + d];
-    }
-
+  // The heads, normed and rotated. Sums of squares by a tree over the threads' shares.
   for (uint x = t; x < g * hd; x += THREADS)
-    query_row[x] = q[h * g * hd + x];
+    query_row[x] = qk[h * g * hd + x];
+  for (uint d = t; d < hd; d += THREADS)
+    key_row[d] = qk[(pc.kv_heads * g + h) * hd + d];
+  barrier();
+  for (uint j = 0; j <= g; ++j) {
+    float s = 0.0;
+    for (uint d = t; d < hd; d += THREADS) {
+      const float x = j < g ? query_row[j * hd + d] : key_row[d];
+      s += x * x;
+    }
+    partial[j][t] = s;
+  }
+  barrier();
+  for (uint width = THREADS / 2; width > 0; width /= 2) {
+    if (t < width)
+      for (uint j = 0; j <= g; ++j)
+        partial[j][t] += partial[j][t + width];
+    barrier();
+  }
+  const uint half_dim = hd / 2;
+  const float eps = uintBitsToFloat(pc.eps_bits);
+  for (uint x = t; x < (g + 1) * half_dim; x += THREADS) {
+    const uint j = x / half_dim, d = x % half_dim, at = j * hd + d;
+    const float inv = 1.0 / sqrt(partial[j][0] / float(hd) + eps);
+    const bool is_key = j == g;
+    const float x1 = is_key ? key_row[d] : query_row[at];
+    const float x2 = is_key ? key_row[d + half_dim] : query_row[at + half_dim];
+    const float w1 = 1.0 + (is_key ? k_norm[d] : q_norm[d]);
+    const float w2 = 1.0 + (is_key ? k_norm[d + half_dim] : q_norm[d + half_dim]);
+    const float y1 = x1 * inv * w1, y2 = x2 * inv * w2;
+    const float r1 = y1 * cos_t[d] + y2 * sin_t[d];
+    const float r2 = y2 * cos_t[d] + y1 * sin_t[half_dim + d];
+    if (is_key) {
+      key_row[d] = r1;
+      key_row[d + half_dim] = r2;
+    } else {
+      query_row[at] = r1;
+      query_row[at + half_dim] = r2;
+    }
+  }
   if (t < n) {
     const uint r = r0 + t;
     const int kp = pc.window != 0 ? pos[r] - 1 : int(r);
@@ -93,6 +137,12 @@ void main() {
                  (pc.window == 0 || kp > query - int(pc.window));
   }
   barrier();
+
+  if (split == 0)
+    for (uint d = t; d < hd; d += THREADS) {
+      k[fresh * stride + head + d] = key_row[d];
+      v[fresh * stride + head + d] = v_row[head + d];
+    }
 
   // Scores: LANES threads a row, each over the dims lane, lane + LANES, ...
   const uint i = t / LANES, lane = t % LANES;
@@ -106,7 +156,7 @@ void main() {
       float kd[UNROLL];
       for (uint u = 0; u < UNROLL; ++u) {
         const uint d = d0 + u * LANES;
-        kd[u] = d >= hd ? 0.0 : own ? k_row[head + d] : k[key + d];
+        kd[u] = d >= hd ? 0.0 : own ? key_row[d] : k[key + d];
       }
       for (uint u = 0; u < UNROLL; ++u) {
         const uint d = min(d0 + u * LANES, hd - 1);

@@ -88,15 +88,17 @@ pub const SPIRV_MAX_HEAD_DIM: usize = 256;
 /// The decode step's attention on Vulkan, two SPIR-V objects dispatched by
 /// [`crate::emit::FuncBuilder::dispatch_spirv`]:
 ///
-/// - `split` takes the query row (`[kv_heads, group, head_dim]`), the step's K and V rows
-///   (`[1, kv_heads, head_dim]` each), the ring's positions (`[pos_rows]` i32), `{query
+/// - `split` takes the step's query and key heads before their norms (`[1, heads + kv_heads,
+///   head_dim]`), its value heads (`[1, kv_heads, head_dim]`), the layer's `q_norm` and
+///   `k_norm` weights (`[head_dim]` each), the RoPE tables (cos `[1, head_dim / 2]`, `-sin,
+///   sin` `[1, 2, head_dim / 2]`), the ring's positions (`[pos_rows]` i32), `{query
 ///   position, end}` (`[2]` i32), the row the step's K and V go to (`[]` i32) and a layer's
 ///   K and V buffers (`[buf_rows, kv_heads, head_dim]`, in place), with the push constants
-///   `kv_heads, group, head_dim, rows, window, scale bits, splits`; workgroups `(splits,
-///   kv_heads)`, each a split of the first `rows` rows, read only where visible, as
-///   [`ATTEND_ENTRY`]'s. It stores the step's rows in the buffers and returns `[splits,
-///   kv_heads, group, head_dim + 2]`, each split's unnormalised sums, maximum score and sum
-///   of weights, then the buffers;
+///   `kv_heads, group, head_dim, rows, window, scale bits, splits, eps bits`; workgroups
+///   `(splits, kv_heads)`, each a split of the first `rows` rows, read only where visible,
+///   as [`ATTEND_ENTRY`]'s. It norms and rotates the heads, stores the step's key and value
+///   rows in the buffers and returns `[splits, kv_heads, group, head_dim + 2]`, each
+///   split's unnormalised sums, maximum score and sum of weights, then the buffers;
 /// - `merge` takes those and `kv_heads, group, head_dim, splits`, one workgroup a query head,
 ///   and returns the attention `[kv_heads, group, head_dim]`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -1335,9 +1335,10 @@ fn vulkan_attends_few_query_rows_in_blocks_of_keys() {
 /// With the SPIR-V attention ([`GraphOptions::spirv_attention`]) every decode step's layer,
 /// in the one-step and the multi-step entry points, attends in two dispatches of the two
 /// objects: a split every 16 rows of a sliding layer's ring rows seen and of a global layer's
-/// span, which also stores the step's K and V rows in the layer's buffers (its in-place
-/// results), then the merge; no scores tensor of one query row, and the only scatter a
-/// step's is the ring's positions'. Chunks keep IREE's code.
+/// span, which also norms and rotates the step's heads and stores its K and V rows in the
+/// layer's buffers (its in-place results), then the merge; no scores tensor of one query
+/// row, no rotated heads in the graph (RoPE's `reverse`), and the only scatter a step's is
+/// the ring's positions'. Chunks keep IREE's code.
 #[test]
 fn vulkan_decode_steps_attend_in_the_spirv_kernels() {
     use kvsnap_iree::kernels::{SpirvAttention, SPIRV_SPLIT_ROWS};
@@ -1361,8 +1362,9 @@ fn vulkan_decode_steps_attend_in_the_spirv_kernels() {
     let split = |rows: usize, buf: usize| {
         let kv = format!("tensor<{buf}x1x256xf32>");
         let operands = format!(
-            "(i32, i32, i32, i32, i32, i32, i32, tensor<1x4x256xf32>, tensor<1x1x256xf32>, \
-             tensor<1x1x256xf32>, tensor<{}xi32>, tensor<2xi32>, tensor<i32>, {kv}, {kv})",
+            "(i32, i32, i32, i32, i32, i32, i32, i32, tensor<1x5x256xf32>, tensor<1x1x256xf32>, \
+             tensor<256xf32>, tensor<256xf32>, tensor<1x128xf32>, tensor<1x2x128xf32>, \
+             tensor<{}xi32>, tensor<2xi32>, tensor<i32>, {kv}, {kv})",
             ring.rows
         );
         (
@@ -1414,6 +1416,11 @@ fn vulkan_decode_steps_attend_in_the_spirv_kernels() {
         assert_eq!(
             scatters, e.steps,
             "{}: the positions' scatters only",
+            e.name
+        );
+        assert!(
+            !body.contains("stablehlo.reverse"),
+            "{}: heads rotated",
             e.name
         );
     }

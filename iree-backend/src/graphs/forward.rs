@@ -144,6 +144,18 @@ struct LayerRows<'a> {
     window: usize,
 }
 
+/// The decode step's heads as the SPIR-V attention takes them, before their norms and RoPE.
+struct SpirvHeads<'a> {
+    /// The query heads, then the key heads: `[1, heads + kvh, hd]`.
+    qk: &'a Value,
+    /// The value heads: `[1, kvh, hd]`.
+    v: &'a Value,
+    /// The layer's `q_norm` and `k_norm` weights (`[hd]`, the scale less one).
+    norms: [&'a Value; 2],
+    /// The layer kind's RoPE tables.
+    rope: &'a RopeTables,
+}
+
 /// cos and sin tables of one RoPE base for the chunk's positions.
 struct RopeTables {
     cos: Value, // [C, hd / 2]
@@ -809,14 +821,6 @@ impl<'a> Forward<'a> {
             LayerKind::Global => &ch.rope_global,
         };
         let qk = self.b.reshape(&qk, &[c, heads + kvh, hd]);
-        let qk = self.norm_rotate_heads(&qk, (&w.q_norm, &w.k_norm), heads, tables);
-        let q = self.b.slice(&qk, &[0, 0, 0], &[c, heads, hd]);
-        let q = self.b.reshape(&q, &[c, kvh, g, hd]);
-        let k = self.b.slice(&qk, &[0, heads, 0], &[c, heads + kvh, hd]);
-        // Padding rows are zeroed, so that whatever they computed never reaches a cache.
-        let k = self.zero_padding(&k, ch);
-        let v = self.zero_padding(&v, ch);
-
         // kvsnap's kernels read the visible rows only, whatever the span.
         let at = match kind {
             LayerKind::Sliding => LayerRows {
@@ -831,10 +835,22 @@ impl<'a> Forward<'a> {
             },
         };
         let (k_buf, v_buf, o) = if let Some(objects) = self.spirv_attention_fits(c) {
-            let (o, [k_buf, v_buf]) =
-                self.spirv_attend(objects, &q, [&k, &v], [k_buf, v_buf], ch, at);
+            let heads = SpirvHeads {
+                qk: &qk,
+                v: &v,
+                norms: [&w.q_norm, &w.k_norm],
+                rope: tables,
+            };
+            let (o, [k_buf, v_buf]) = self.spirv_attend(objects, heads, [k_buf, v_buf], ch, at);
             (k_buf, v_buf, o)
         } else {
+            let qk = self.norm_rotate_heads(&qk, (&w.q_norm, &w.k_norm), heads, tables);
+            let q = self.b.slice(&qk, &[0, 0, 0], &[c, heads, hd]);
+            let q = self.b.reshape(&q, &[c, kvh, g, hd]);
+            let k = self.b.slice(&qk, &[0, heads, 0], &[c, heads + kvh, hd]);
+            // Padding rows are zeroed, so that whatever they computed never reaches a cache.
+            let k = self.zero_padding(&k, ch);
+            let v = self.zero_padding(&v, ch);
             let (k_buf, v_buf) = self.write_rows(&k, &v, k_buf, v_buf, at.start);
             let o = if self.object_attention_fits(c) {
                 self.object_attend(&q, &k_buf, &v_buf, ch, at)
@@ -909,20 +925,20 @@ impl<'a> Forward<'a> {
         self.opts.spirv_attention.filter(|_| fits)
     }
 
-    /// The decode step's attention of `q` (`[1, kvh, g, hd]`) over the first `at.rows` rows
-    /// of the layer's buffers by kvsnap's SPIR-V kernels ([`SpirvAttention`]), reading only
-    /// the visible rows (a sliding layer's by the ring's positions, a global layer's up to
-    /// the query): a split's workgroup every [`kernels::SPIRV_SPLIT_ROWS`] rows and
-    /// key/value head, then one a query head to merge them. The split also stores the step's
-    /// K and V rows (`[1, kvh, hd]`) at row `at.start` of the buffers, in place, as
-    /// [`Forward::write_rows`] would before it.
+    /// The decode step's attention over the first `at.rows` rows of the layer's buffers by
+    /// kvsnap's SPIR-V kernels ([`SpirvAttention`]), reading only the visible rows (a
+    /// sliding layer's by the ring's positions, a global layer's up to the query): a split's
+    /// workgroup every [`kernels::SPIRV_SPLIT_ROWS`] rows and key/value head, then one a
+    /// query head to merge them. The split takes the step's heads as the projection gives
+    /// them, norms and rotates them as [`Forward::norm_rotate_heads`] and stores the key and
+    /// value rows at row `at.start` of the buffers, in place, as [`Forward::write_rows`]
+    /// would before it.
     ///
     /// Returns the attention `[kvh, 1, g, hd]`, as [`Forward::attend`], and the buffers.
     fn spirv_attend(
         &mut self,
         objects: SpirvAttention,
-        q: &Value,
-        [k, v]: [&Value; 2],
+        heads: SpirvHeads,
         [k_buf, v_buf]: [&Value; 2],
         ch: &Chunk,
         at: LayerRows,
@@ -932,16 +948,38 @@ impl<'a> Forward<'a> {
         let (rows, window) = (at.rows, at.window);
         let splits = rows.div_ceil(kernels::SPIRV_SPLIT_ROWS);
         let scale = cfg.attn_scale().to_bits();
-        let q = self.b.reshape(q, &[kvh, g, hd]);
         let [kvh_, g_, hd_, splits_] = [kvh, g, hd, splits].map(|x| x as u32);
-        let args = [&q, k, v, &ch.positions, &ch.bounds, at.start, k_buf, v_buf];
+        let eps = (cfg.rms_norm_eps as f32).to_bits();
+        let [q_norm, k_norm] = heads.norms;
+        let args = [
+            heads.qk,
+            heads.v,
+            q_norm,
+            k_norm,
+            &heads.rope.cos,
+            &heads.rope.sin,
+            &ch.positions,
+            &ch.bounds,
+            at.start,
+            k_buf,
+            v_buf,
+        ];
         let [part, k_buf, v_buf]: [Value; 3] = self
             .b
             .dispatch_spirv(
                 objects.split.name,
                 [splits, kvh, 1],
-                &[kvh_, g_, hd_, rows as u32, window as u32, scale, splits_],
-                (&args, &[6, 7]),
+                &[
+                    kvh_,
+                    g_,
+                    hd_,
+                    rows as u32,
+                    window as u32,
+                    scale,
+                    splits_,
+                    eps,
+                ],
+                (&args, &[9, 10]),
                 TensorType::f32(&[splits, kvh, g, hd + 2]),
             )
             .try_into()
