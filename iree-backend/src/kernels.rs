@@ -24,11 +24,13 @@
 //! by name in the directory given with `--iree-hal-executable-object-search-path`
 //! ([`crate::compile::Compiler::compile_tuned`]).
 //!
-//! Vulkan modules dispatch two SPIR-V kernels of their own (`kernels/attend_split.comp` and
-//! `kernels/attend_merge.comp`, GLSL compiled by the build script): the decode step's
-//! attention in two dispatches a layer ([`SpirvAttention`]), where IREE's code took five (the
-//! scores, their maximum and sum, the weighted values in blocks and the blocks' sum), each a
-//! drain of the queue before the next.
+//! Vulkan modules dispatch three SPIR-V kernels of their own for the decode step
+//! ([`SpirvKernels`]; `kernels/*.comp`, GLSL compiled by the build script): its attention in
+//! two dispatches a layer (`attend_split.comp`, `attend_merge.comp`), where IREE's code took
+//! nine (the heads' norms and RoPE, the K and V rows' writes, the scores, their maximum and
+//! sum, the weighted values in blocks and the blocks' sum), and each residual with the next
+//! norm in one (`add_norm.comp`), where IREE's took two; each dispatch is a drain of the
+//! queue before the next.
 
 use std::sync::OnceLock;
 
@@ -85,7 +87,7 @@ pub const SPIRV_MAX_GROUP: usize = 8;
 /// key/value head in shared memory).
 pub const SPIRV_MAX_HEAD_DIM: usize = 256;
 
-/// The decode step's attention on Vulkan, two SPIR-V objects dispatched by
+/// The decode step's kernels on Vulkan, SPIR-V objects dispatched by
 /// [`crate::emit::FuncBuilder::dispatch_spirv`]:
 ///
 /// - `split` takes the step's query and key heads before their norms (`[1, heads + kv_heads,
@@ -100,42 +102,57 @@ pub const SPIRV_MAX_HEAD_DIM: usize = 256;
 ///   rows in the buffers and returns `[splits, kv_heads, group, head_dim + 2]`, each
 ///   split's unnormalised sums, maximum score and sum of weights, then the buffers;
 /// - `merge` takes those and `kv_heads, group, head_dim, splits`, one workgroup a query head,
-///   and returns the attention `[kv_heads, group, head_dim]`.
+///   and returns the attention `[kv_heads, group, head_dim]`;
+/// - `add_norm` takes a residual `x`, a layer's output `a` (`[1, n]` each) and two norms'
+///   weights (`[n]` each, the scale less one), with the push constants `n, eps bits`, one
+///   workgroup, and returns `x + rms_norm(a, w_a)` and that sum normed by `w_h` (`[1, n]`
+///   each).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct SpirvAttention {
-    /// The splits' kernel.
+pub struct SpirvKernels {
+    /// The attention splits' kernel.
     pub split: LinkedObject,
-    /// The merge's kernel.
+    /// The attention merge's kernel.
     pub merge: LinkedObject,
+    /// The residual's and the next norm's kernel.
+    pub add_norm: LinkedObject,
+}
+
+impl SpirvKernels {
+    /// The objects, each dispatch's executable.
+    pub fn objects(&self) -> [LinkedObject; 3] {
+        [self.split, self.merge, self.add_norm]
+    }
 }
 
 #[cfg(kvsnap_spirv_kernels)]
-const SPIRV: Option<[&[u8]; 2]> = Some([
+const SPIRV: Option<[&[u8]; 3]> = Some([
     include_bytes!(concat!(env!("OUT_DIR"), "/attend_split.spv")),
     include_bytes!(concat!(env!("OUT_DIR"), "/attend_merge.spv")),
+    include_bytes!(concat!(env!("OUT_DIR"), "/add_norm.spv")),
 ]);
 #[cfg(not(kvsnap_spirv_kernels))]
-const SPIRV: Option<[&[u8]; 2]> = None;
+const SPIRV: Option<[&[u8]; 3]> = None;
 
-/// The Vulkan attention's kernels, when this build compiled them, each named by its content.
-pub fn spirv_attention() -> Option<SpirvAttention> {
-    static NAMES: OnceLock<[String; 2]> = OnceLock::new();
-    let [split, merge] = SPIRV?;
-    let [split_name, merge_name] = NAMES.get_or_init(|| {
-        [("split", split), ("merge", merge)].map(|(kind, bytes)| {
-            let tag = hex(&Sha256::digest(bytes)[..8]);
-            format!("kvsnap_attend_{kind}_{tag}.spv")
+/// The Vulkan decode step's kernels, when this build compiled them, each named by its
+/// content.
+pub fn spirv_kernels() -> Option<SpirvKernels> {
+    static NAMES: OnceLock<[String; 3]> = OnceLock::new();
+    let bytes = SPIRV?;
+    let names = NAMES.get_or_init(|| {
+        let kinds = ["attend_split", "attend_merge", "add_norm"];
+        std::array::from_fn(|i| {
+            let tag = hex(&Sha256::digest(bytes[i])[..8]);
+            format!("kvsnap_{}_{tag}.spv", kinds[i])
         })
     });
-    Some(SpirvAttention {
-        split: LinkedObject {
-            name: split_name,
-            bytes: split,
-        },
-        merge: LinkedObject {
-            name: merge_name,
-            bytes: merge,
-        },
+    let [split, merge, add_norm] = std::array::from_fn(|i| LinkedObject {
+        name: &names[i],
+        bytes: bytes[i],
+    });
+    Some(SpirvKernels {
+        split,
+        merge,
+        add_norm,
     })
 }
 

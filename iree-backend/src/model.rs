@@ -838,7 +838,7 @@ pub fn model_graphs(cfg: &ModelConfig, opts: &IreeOptions) -> graphs::Graphs {
     graph_opts.input = opts.chosen_input();
     if !opts.own_kernels {
         graph_opts.own_kernels = None;
-        graph_opts.spirv_attention = None;
+        graph_opts.spirv_kernels = None;
     }
     graphs::build(cfg, &chunks, graph_opts)
 }

@@ -631,7 +631,7 @@ fn graphs_build_for_tiny_and_real_configs_with_the_head_sliced() {
     // IREE's code throughout: the rows the graph's attention reads are what is checked here
     // (the decode step's attention kernels skip the rows they cannot see instead:
     // `own_kernels_take_the_chunk_projections_and_the_screen`,
-    // `vulkan_decode_steps_attend_in_the_spirv_kernels`).
+    // `vulkan_decode_steps_run_the_spirv_kernels`).
     let llvm_cpu = GraphOptions {
         own_kernels: None,
         ..GraphOptions::llvm_cpu()
@@ -641,7 +641,7 @@ fn graphs_build_for_tiny_and_real_configs_with_the_head_sliced() {
         ..llvm_cpu
     };
     let vulkan = GraphOptions {
-        spirv_attention: None,
+        spirv_kernels: None,
         ..GraphOptions::vulkan()
     };
     let options = [vulkan, llvm_cpu, unscreened];
@@ -1263,7 +1263,7 @@ fn own_kernels_take_the_chunk_projections_and_the_screen() {
     // Vulkan links its own SPIR-V objects only (where this build compiled them).
     let vulkan = graphs::build(&cfg, &[1, 64], GraphOptions::vulkan());
     let spirv: Vec<LinkedObject> =
-        kvsnap_iree::kernels::spirv_attention().map_or(vec![], |a| vec![a.split, a.merge]);
+        kvsnap_iree::kernels::spirv_kernels().map_or(vec![], |k| k.objects().to_vec());
     assert_eq!(vulkan.objects, spirv);
     assert!(!vulkan.mlir.contains("flow.dispatch"));
 }
@@ -1283,9 +1283,9 @@ fn vulkan_attends_few_query_rows_in_blocks_of_keys() {
     let whole = |c: usize, rows: usize| format!("tensor<{kvh}x{c}x{g}x{rows}xf32>");
     let chunks = [1, 8, 24, 32];
     // IREE's code (the decode step's attention runs in kvsnap's kernels where this build has
-    // them: `vulkan_decode_steps_attend_in_the_spirv_kernels`).
+    // them: `vulkan_decode_steps_run_the_spirv_kernels`).
     let iree_vulkan = GraphOptions {
-        spirv_attention: None,
+        spirv_kernels: None,
         ..GraphOptions::vulkan()
     };
     let vulkan = graphs::build(&cfg, &chunks, iree_vulkan);
@@ -1332,29 +1332,31 @@ fn vulkan_attends_few_query_rows_in_blocks_of_keys() {
     }
 }
 
-/// With the SPIR-V attention ([`GraphOptions::spirv_attention`]) every decode step's layer,
-/// in the one-step and the multi-step entry points, attends in two dispatches of the two
-/// objects: a split every 16 rows of a sliding layer's ring rows seen and of a global layer's
-/// span, which also norms and rotates the step's heads and stores its K and V rows in the
-/// layer's buffers (its in-place results), then the merge; no scores tensor of one query
-/// row, no rotated heads in the graph (RoPE's `reverse`), and the only scatter a step's is
-/// the ring's positions'. Chunks keep IREE's code.
+/// With the SPIR-V kernels ([`GraphOptions::spirv_kernels`]) every decode step's layer, in
+/// the one-step and the multi-step entry points, attends in two dispatches: a split every 16
+/// rows of a sliding layer's ring rows seen and of a global layer's span, which also norms
+/// and rotates the step's heads and stores its K and V rows in the layer's buffers (its
+/// in-place results), then the merge; no scores tensor of one query row, no rotated heads in
+/// the graph (RoPE's `reverse`), and the only scatter a step's is the ring's positions'. Each
+/// residual and the norm after it are one dispatch of the third kernel, but for the last
+/// layer's (the head's final norm follows). Chunks keep IREE's code.
 #[test]
-fn vulkan_decode_steps_attend_in_the_spirv_kernels() {
-    use kvsnap_iree::kernels::{SpirvAttention, SPIRV_SPLIT_ROWS};
+fn vulkan_decode_steps_run_the_spirv_kernels() {
+    use kvsnap_iree::kernels::{SpirvKernels, SPIRV_SPLIT_ROWS};
 
     let cfg = real_config();
     let object = |name| LinkedObject { name, bytes: b"" };
-    let kernels = SpirvAttention {
+    let kernels = SpirvKernels {
         split: object("test_split.spv"),
         merge: object("test_merge.spv"),
+        add_norm: object("test_add_norm.spv"),
     };
     let opts = GraphOptions {
-        spirv_attention: Some(kernels),
+        spirv_kernels: Some(kernels),
         ..GraphOptions::vulkan()
     };
     let g = graphs::build(&cfg, &[1, 8, 64], opts);
-    assert_eq!(g.objects, [kernels.split, kernels.merge]);
+    assert_eq!(g.objects, [kernels.split, kernels.merge, kernels.add_norm]);
     let (layers, capacity) = (cfg.num_layers(), cfg.context_capacity);
     let ring = g.manifest.ring;
     assert_eq!(SPIRV_SPLIT_ROWS, 16);
@@ -1391,7 +1393,13 @@ fn vulkan_decode_steps_attend_in_the_spirv_kernels() {
         let span = (e.span < capacity).then_some(e.span);
         let sliding = ring.rows_seen(1, span);
         let global = e.span;
-        assert_eq!(externs, 2 * layers * e.steps, "{}", e.name);
+        assert_eq!(externs, (4 * layers - 1) * e.steps, "{}", e.name);
+        let hidden = format!("tensor<1x{}xf32>", cfg.hidden_size);
+        let norm = format!("tensor<{}xf32>", cfg.hidden_size);
+        let add_norm =
+            format!("(i32, i32, {hidden}, {hidden}, {norm}, {norm}) -> ({hidden}, {hidden})\n");
+        let add_norms = body.matches(&add_norm).count();
+        assert_eq!(add_norms, (2 * layers - 1) * e.steps, "{}: norms", e.name);
         for (rows, buf, n) in [
             (sliding, ring.rows, layers - globals),
             (global, capacity, globals),

@@ -948,18 +948,18 @@ impl FuncBuilder {
     /// Emits `hal.dispatch.extern` of the SPIR-V object `object` (its entry point `main`, a
     /// file name the compiler finds on its object search path): `groups` workgroups, the
     /// `u32` push constants `constants`, the tensors `args` as storage buffers (bindings 0,
-    /// 1, ... in order), then the result, of type `result`, as the last binding. The args at
-    /// the indices `in_place` are read-write bindings the kernel also writes, and results
-    /// too, in their operands' storage; the others are read-only. Returns the result, then
-    /// the in-place ones in `in_place`'s order. The object is the whole executable, so the
-    /// shader's own declarations must match.
+    /// 1, ... in order), then the results, of types `results`, as the last bindings. The
+    /// args at the indices `in_place` are read-write bindings the kernel also writes, and
+    /// results too, in their operands' storage; the others are read-only. Returns the
+    /// results, then the in-place ones in `in_place`'s order. The object is the whole
+    /// executable, so the shader's own declarations must match.
     pub fn dispatch_spirv(
         &mut self,
         object: &str,
         groups: [usize; 3],
         constants: &[u32],
         (args, in_place): (&[&Value], &[usize]),
-        result: TensorType,
+        results: &[TensorType],
     ) -> Vec<Value> {
         assert!(
             in_place.iter().all(|&i| i < args.len()),
@@ -989,7 +989,11 @@ impl FuncBuilder {
                 true => "#hal.pipeline.binding<storage_buffer>",
                 false => "#hal.pipeline.binding<storage_buffer, ReadOnly>",
             })
-            .chain(["#hal.pipeline.binding<storage_buffer>"])
+            .chain(
+                results
+                    .iter()
+                    .map(|_| "#hal.pipeline.binding<storage_buffer>"),
+            )
             .collect();
         let (d, x, y, z) = (
             self.fresh_name(),
@@ -997,13 +1001,13 @@ impl FuncBuilder {
             self.fresh_name(),
             self.fresh_name(),
         );
-        let mut results = vec![self.fresh(result)];
-        let mut result_tys = vec![results[0].ty.to_string()];
+        let mut outs: Vec<Value> = results.iter().map(|ty| self.fresh(ty.clone())).collect();
+        let mut result_tys: Vec<String> = results.iter().map(|ty| ty.to_string()).collect();
         for &i in in_place {
-            results.push(self.fresh(args[i].ty.clone()));
+            outs.push(self.fresh(args[i].ty.clone()));
             result_tys.push(args[i].to_string());
         }
-        let names_out: Vec<String> = results.iter().map(|r| r.to_string()).collect();
+        let names_out: Vec<String> = outs.iter().map(|r| r.to_string()).collect();
         writeln!(
             self.body,
             "    {} = hal.dispatch.extern \"main\"[{}]({}) : ({}) -> ({})\n      count({d}: !hal.device, {x}: index, {y}: index, {z}: index) -> (index, index, index) {{\n        hal.return {x}, {y}, {z} : index, index, index\n      }}\n      layout(#hal.pipeline.layout<constants = {}, bindings = [{}]>)\n      objects({{#hal.executable.target<\"vulkan-spirv\", \"vulkan-spirv-fb\"> ordinal(0) = [#hal.executable.object<{{path = \"{object}\"}}>]}})",
@@ -1016,7 +1020,7 @@ impl FuncBuilder {
             bindings.join(", "),
         )
         .expect("writing to a String");
-        results
+        outs
     }
 
     // ---- indexing -----------------------------------------------------------------------

@@ -16,7 +16,7 @@ use super::GraphOptions;
 use crate::emit::{
     Cmp, DotDims, ElemType, FuncBuilder, Reduction, Region, Scalar, TensorType, Value,
 };
-use crate::kernels::{self, SpirvAttention};
+use crate::kernels::{self, SpirvKernels};
 
 /// Mask value of invisible attention scores: finite, so that a padding row that sees no key gets
 /// a uniform (finite) softmax instead of NaN, and `exp(MASKED - max)` is exactly 0 for a row
@@ -728,29 +728,59 @@ impl<'a> Forward<'a> {
         }
     }
 
-    /// One decoder layer with sandwich norms; returns the new residual and KV buffers.
+    /// One decoder layer with sandwich norms over the chunk's residual `x` and its normed
+    /// input `h`; returns the residual after the layer, the next layer's normed input where
+    /// `next_norm` (that layer's `input_layernorm`) is given, and the updated buffers.
     ///
     /// # Shapes
-    /// `x`: `[C, hidden]`; `k_buf`, `v_buf`: `[ring rows or capacity, kv_heads, hd]`.
-    pub fn layer(
+    /// `x`, `h`: `[C, hidden]`; `k_buf`, `v_buf`: `[ring rows or capacity, kv_heads, hd]`.
+    fn layer(
         &mut self,
-        layer: usize,
-        w: &LayerWeights,
+        (layer, w): (usize, &LayerWeights),
         ch: &Chunk,
-        x: &Value,
-        k_buf: &Value,
-        v_buf: &Value,
-    ) -> (Value, Value, Value) {
-        let h = self.rms_norm(x, &w.input_layernorm);
-        let (a, k_buf, v_buf) = self.attention(layer, w, ch, &h, k_buf, v_buf);
-        let a = self.rms_norm(&a, &w.post_attention_layernorm);
-        let x = self.b.add(x, &a);
+        (x, h): (&Value, &Value),
+        next_norm: Option<&Value>,
+        (k_buf, v_buf): (&Value, &Value),
+    ) -> (Value, Option<Value>, Value, Value) {
+        let (a, k_buf, v_buf) = self.attention(layer, w, ch, h, k_buf, v_buf);
+        let pre_ffn = &w.pre_feedforward_layernorm;
+        let (x, h) = self.residual(ch, (x, &a), &w.post_attention_layernorm, Some(pre_ffn));
+        let m = self.mlp(w, &h.expect("the MLP's normed input"));
+        let (x, h) = self.residual(ch, (&x, &m), &w.post_feedforward_layernorm, next_norm);
+        (x, h, k_buf, v_buf)
+    }
 
-        let h = self.rms_norm(&x, &w.pre_feedforward_layernorm);
-        let m = self.mlp(w, &h);
-        let m = self.rms_norm(&m, &w.post_feedforward_layernorm);
-        let x = self.b.add(&x, &m);
-        (x, k_buf, v_buf)
+    /// `x + rms_norm(a, norm)` and, with `next`, that sum normed by `next`: in one dispatch
+    /// of kvsnap's SPIR-V kernel for the decode step's row ([`GraphOptions::spirv_kernels`]),
+    /// else as [`Forward::rms_norm`] and an add.
+    fn residual(
+        &mut self,
+        ch: &Chunk,
+        (x, a): (&Value, &Value),
+        norm: &Value,
+        next: Option<&Value>,
+    ) -> (Value, Option<Value>) {
+        let kernels = self.opts.spirv_kernels.filter(|_| ch.c == 1);
+        if let (Some(kernels), Some(next)) = (kernels, next) {
+            let n = self.cfg.hidden_size as u32;
+            let eps = (self.cfg.rms_norm_eps as f32).to_bits();
+            let [sum, h]: [Value; 2] = self
+                .b
+                .dispatch_spirv(
+                    kernels.add_norm.name,
+                    [1, 1, 1],
+                    &[n, eps],
+                    (&[x, a, norm, next], &[]),
+                    &[x.ty.clone(), x.ty.clone()],
+                )
+                .try_into()
+                .expect("the sum and its norm");
+            return (sum, Some(h));
+        }
+        let a = self.rms_norm(a, norm);
+        let x = self.b.add(x, &a);
+        let h = next.map(|w| self.rms_norm(&x, w));
+        (x, h)
     }
 
     /// The decoder layers over the chunk's rows `x`, each with its K and V buffers in `kv`
@@ -764,9 +794,15 @@ impl<'a> Forward<'a> {
         kv: &[Value],
     ) -> (Value, Vec<Value>) {
         let mut kv_out = Vec::with_capacity(kv.len());
+        let mut h = weights
+            .first()
+            .map(|w| self.rms_norm(&x, &w.input_layernorm));
         for (layer, w) in weights.iter().enumerate() {
-            let (nx, k, v) = self.layer(layer, w, ch, &x, &kv[2 * layer], &kv[2 * layer + 1]);
-            x = nx;
+            let input = h.take().expect("each layer's normed input");
+            let next_norm = weights.get(layer + 1).map(|next| &next.input_layernorm);
+            let buffers = (&kv[2 * layer], &kv[2 * layer + 1]);
+            let (nx, nh, k, v) = self.layer((layer, w), ch, (&x, &input), next_norm, buffers);
+            (x, h) = (nx, nh);
             kv_out.extend([k, v]);
         }
         (x, kv_out)
@@ -913,20 +949,20 @@ impl<'a> Forward<'a> {
     }
 
     /// The SPIR-V attention kernels for a `c`-row chunk, with
-    /// [`GraphOptions::spirv_attention`]: the decode step's one row, where the model has no
+    /// [`GraphOptions::spirv_kernels`]: the decode step's one row, where the model has no
     /// score soft-capping, at most [`kernels::SPIRV_MAX_GROUP`] query heads a key/value
     /// head and head dims of at most [`kernels::SPIRV_MAX_HEAD_DIM`].
-    fn spirv_attention_fits(&self, c: usize) -> Option<SpirvAttention> {
+    fn spirv_attention_fits(&self, c: usize) -> Option<SpirvKernels> {
         let cfg = self.cfg;
         let fits = c == 1
             && cfg.attn_logit_softcapping.is_none()
             && cfg.group_size() <= kernels::SPIRV_MAX_GROUP
             && cfg.head_dim <= kernels::SPIRV_MAX_HEAD_DIM;
-        self.opts.spirv_attention.filter(|_| fits)
+        self.opts.spirv_kernels.filter(|_| fits)
     }
 
     /// The decode step's attention over the first `at.rows` rows of the layer's buffers by
-    /// kvsnap's SPIR-V kernels ([`SpirvAttention`]), reading only the visible rows (a
+    /// kvsnap's SPIR-V kernels ([`SpirvKernels`]), reading only the visible rows (a
     /// sliding layer's by the ring's positions, a global layer's up to the query): a split's
     /// workgroup every [`kernels::SPIRV_SPLIT_ROWS`] rows and key/value head, then one a
     /// query head to merge them. The split takes the step's heads as the projection gives
@@ -937,7 +973,7 @@ impl<'a> Forward<'a> {
     /// Returns the attention `[kvh, 1, g, hd]`, as [`Forward::attend`], and the buffers.
     fn spirv_attend(
         &mut self,
-        objects: SpirvAttention,
+        objects: SpirvKernels,
         heads: SpirvHeads,
         [k_buf, v_buf]: [&Value; 2],
         ch: &Chunk,
@@ -980,7 +1016,7 @@ impl<'a> Forward<'a> {
                     eps,
                 ],
                 (&args, &[9, 10]),
-                TensorType::f32(&[splits, kvh, g, hd + 2]),
+                &[TensorType::f32(&[splits, kvh, g, hd + 2])],
             )
             .try_into()
             .expect("the parts and the two buffers");
@@ -991,7 +1027,7 @@ impl<'a> Forward<'a> {
                 [kvh * g, 1, 1],
                 &[kvh_, g_, hd_, splits_],
                 (&[&part], &[]),
-                TensorType::f32(&[kvh, g, hd]),
+                &[TensorType::f32(&[kvh, g, hd])],
             )
             .try_into()
             .expect("one result");

@@ -55,7 +55,7 @@ use kvsnap_contract::ModelConfig;
 
 use crate::compile::LinkedObject;
 use crate::emit::{Cmp, ElemType, FuncBuilder, Module, Scalar, TensorType, Value};
-use crate::kernels::{self, SpirvAttention};
+use crate::kernels::{self, SpirvKernels};
 use forward::{Forward, LayerWeights, Screen};
 pub use forward::{SCREEN_BLOCK, SCREEN_BLOCKS};
 pub use manifest::{
@@ -166,10 +166,10 @@ pub struct GraphOptions {
     /// decode step's attention in kvsnap's kernels, this object linked into the module,
     /// instead of IREE's code ([`kernels`]). Requires [`WeightLayout::Panels`].
     pub own_kernels: Option<LinkedObject>,
-    /// Run the decode step's attention in kvsnap's SPIR-V kernels ([`SpirvAttention`]), two
+    /// Run the decode step's attention in kvsnap's SPIR-V kernels ([`SpirvKernels`]), two
     /// dispatches a layer, instead of IREE's code (five). For Vulkan modules, where this build
-    /// compiled the kernels ([`kernels::spirv_attention`]).
-    pub spirv_attention: Option<SpirvAttention>,
+    /// compiled the kernels ([`kernels::spirv_kernels`]).
+    pub spirv_kernels: Option<SpirvKernels>,
     /// Where the chunk has few query rows, take the scores with the keys as the product's
     /// output rows and the weighted values in blocks of keys (`Forward::attend_blocked`): IREE
     /// distributes a product over its batch and output dims only, and a few query rows'
@@ -203,7 +203,7 @@ impl GraphOptions {
             screen: true,
             input: Input::Ids,
             own_kernels: kernels::kernel_object(),
-            spirv_attention: None,
+            spirv_kernels: None,
             key_blocks: false,
             device_rows: false,
             decode_steps: 0,
@@ -219,7 +219,7 @@ impl GraphOptions {
             screen: false,
             input: Input::Embeddings,
             own_kernels: None,
-            spirv_attention: kernels::spirv_attention(),
+            spirv_kernels: kernels::spirv_kernels(),
             key_blocks: true,
             device_rows: true,
             decode_steps: DECODE_STEPS,
@@ -336,7 +336,7 @@ pub fn build(cfg: &ModelConfig, chunks: &[usize], opts: GraphOptions) -> Graphs 
         module.push_executable(kernels::executable(object));
     }
     // Each of its dispatches carries its own executable (`hal.dispatch.extern`).
-    objects.extend(opts.spirv_attention.iter().flat_map(|a| [a.split, a.merge]));
+    objects.extend(opts.spirv_kernels.iter().flat_map(|k| k.objects()));
     let mut entry_points = Vec::new();
     let largest = *chunks.last().unwrap();
     for &c in &chunks {
