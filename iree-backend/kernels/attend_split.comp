@@ -33,7 +33,8 @@
 
 #define THREADS 128
 #define MAX_GROUP 8
-#define MAX_HEAD_DIM 256
+// Two dims a thread in RoPE's pairs: a head's halves are at most THREADS long.
+#define MAX_HEAD_DIM (2 * THREADS)
 #define SPLIT_ROWS 16
 // Threads that score one row together (THREADS / SPLIT_ROWS), each over every LANES-th dim.
 #define LANES 8
@@ -66,8 +67,8 @@ layout(push_constant) uniform Params {
   uint eps_bits;
 } pc;
 
-shared float query_row[MAX_GROUP * MAX_HEAD_DIM];
-shared float key_row[MAX_HEAD_DIM];
+// The query heads, then the key head (row `group`).
+shared float head_rows[(MAX_GROUP + 1) * MAX_HEAD_DIM];
 // Each thread's share of a head's sum of squares (the key's last), then of its row's dot
 // products.
 shared float partial[MAX_GROUP + 1][THREADS];
@@ -88,18 +89,32 @@ void main() {
   const uint r0 = split * live / pc.splits, r1 = (split + 1) * live / pc.splits, n = r1 - r0;
   const uint fresh = uint(start[0]), head = h * hd;
 
-  // The heads, normed and rotated. Sums of squares by a tree over the threads' shares.
-  for (uint x = t; x < g * hd; x += THREADS)
-    query_row[x] = qk[h * g * hd + x];
-  for (uint d = t; d < hd; d += THREADS)
-    key_row[d] = qk[(pc.kv_heads * g + h) * hd + d];
+  // The heads, normed and rotated. Thread t takes RoPE's pair (t, t + hd / 2); its norm
+  // weights and table entries load with the heads, UNROLL loads in flight at a time. The
+  // sums of squares meet by a tree over the threads' shares.
+  const uint half_dim = hd / 2, own_heads = g * hd, key_head = (pc.kv_heads * g + h) * hd;
+  const bool pairs = t < half_dim;
+  const float c = pairs ? cos_t[t] : 0.0, s1 = pairs ? sin_t[t] : 0.0;
+  const float s2 = pairs ? sin_t[half_dim + t] : 0.0;
+  const float q1 = pairs ? 1.0 + q_norm[t] : 0.0, q2 = pairs ? 1.0 + q_norm[half_dim + t] : 0.0;
+  const float k1 = pairs ? 1.0 + k_norm[t] : 0.0, k2 = pairs ? 1.0 + k_norm[half_dim + t] : 0.0;
+  for (uint x0 = t; x0 < own_heads + hd; x0 += THREADS * UNROLL) {
+    float got[UNROLL];
+    for (uint u = 0; u < UNROLL; ++u) {
+      const uint x = x0 + u * THREADS;
+      got[u] = x < own_heads        ? qk[h * own_heads + x]
+               : x < own_heads + hd ? qk[key_head + x - own_heads]
+                                    : 0.0;
+    }
+    for (uint u = 0; u < UNROLL; ++u)
+      if (x0 + u * THREADS < own_heads + hd)
+        head_rows[x0 + u * THREADS] = got[u];
+  }
   barrier();
   for (uint j = 0; j <= g; ++j) {
     float s = 0.0;
-    for (uint d = t; d < hd; d += THREADS) {
-      const float x = j < g ? query_row[j * hd + d] : key_row[d];
-      s += x * x;
-    }
+    for (uint d = t; d < hd; d += THREADS)
+      s += head_rows[j * hd + d] * head_rows[j * hd + d];
     partial[j][t] = s;
   }
   barrier();
@@ -109,27 +124,16 @@ void main() {
         partial[j][t] += partial[j][t + width];
     barrier();
   }
-  const uint half_dim = hd / 2;
   const float eps = uintBitsToFloat(pc.eps_bits);
-  for (uint x = t; x < (g + 1) * half_dim; x += THREADS) {
-    const uint j = x / half_dim, d = x % half_dim, at = j * hd + d;
-    const float inv = 1.0 / sqrt(partial[j][0] / float(hd) + eps);
-    const bool is_key = j == g;
-    const float x1 = is_key ? key_row[d] : query_row[at];
-    const float x2 = is_key ? key_row[d + half_dim] : query_row[at + half_dim];
-    const float w1 = 1.0 + (is_key ? k_norm[d] : q_norm[d]);
-    const float w2 = 1.0 + (is_key ? k_norm[d + half_dim] : q_norm[d + half_dim]);
-    const float y1 = x1 * inv * w1, y2 = x2 * inv * w2;
-    const float r1 = y1 * cos_t[d] + y2 * sin_t[d];
-    const float r2 = y2 * cos_t[d] + y1 * sin_t[half_dim + d];
-    if (is_key) {
-      key_row[d] = r1;
-      key_row[d + half_dim] = r2;
-    } else {
-      query_row[at] = r1;
-      query_row[at + half_dim] = r2;
+  if (pairs)
+    for (uint j = 0; j <= g; ++j) {
+      const float inv = 1.0 / sqrt(partial[j][0] / float(hd) + eps);
+      const uint at = j * hd + t;
+      const float y1 = head_rows[at] * inv * (j < g ? q1 : k1);
+      const float y2 = head_rows[at + half_dim] * inv * (j < g ? q2 : k2);
+      head_rows[at] = y1 * c + y2 * s1;
+      head_rows[at + half_dim] = y2 * c + y1 * s2;
     }
-  }
   if (t < n) {
     const uint r = r0 + t;
     const int kp = pc.window != 0 ? pos[r] - 1 : int(r);
@@ -140,7 +144,7 @@ void main() {
 
   if (split == 0)
     for (uint d = t; d < hd; d += THREADS) {
-      k[fresh * stride + head + d] = key_row[d];
+      k[fresh * stride + head + d] = head_rows[g * hd + d];
       v[fresh * stride + head + d] = v_row[head + d];
     }
 
@@ -156,13 +160,13 @@ void main() {
       float kd[UNROLL];
       for (uint u = 0; u < UNROLL; ++u) {
         const uint d = d0 + u * LANES;
-        kd[u] = d >= hd ? 0.0 : own ? key_row[d] : k[key + d];
+        kd[u] = d >= hd ? 0.0 : own ? head_rows[g * hd + d] : k[key + d];
       }
       for (uint u = 0; u < UNROLL; ++u) {
         const uint d = min(d0 + u * LANES, hd - 1);
         for (uint j = 0; j < MAX_GROUP; ++j)
           if (j < g)
-            dot[j] = fma(query_row[j * hd + d], kd[u], dot[j]);
+            dot[j] = fma(head_rows[j * hd + d], kd[u], dot[j]);
       }
     }
   }

@@ -87,6 +87,10 @@ pub const SPIRV_MAX_GROUP: usize = 8;
 /// key/value head in shared memory).
 pub const SPIRV_MAX_HEAD_DIM: usize = 256;
 
+/// Largest hidden size the Vulkan residual kernel takes (`THREADS * PER_THREAD` in
+/// add_norm.comp: each of its threads holds its dims in registers).
+pub const SPIRV_MAX_HIDDEN: usize = 3072;
+
 /// The decode step's kernels on Vulkan, SPIR-V objects dispatched by
 /// [`crate::emit::FuncBuilder::dispatch_spirv`]:
 ///

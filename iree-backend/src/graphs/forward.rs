@@ -751,8 +751,9 @@ impl<'a> Forward<'a> {
     }
 
     /// `x + rms_norm(a, norm)` and, with `next`, that sum normed by `next`: in one dispatch
-    /// of kvsnap's SPIR-V kernel for the decode step's row ([`GraphOptions::spirv_kernels`]),
-    /// else as [`Forward::rms_norm`] and an add.
+    /// of kvsnap's SPIR-V kernel for the decode step's row ([`GraphOptions::spirv_kernels`],
+    /// hidden sizes up to [`kernels::SPIRV_MAX_HIDDEN`]), else as [`Forward::rms_norm`] and
+    /// an add.
     fn residual(
         &mut self,
         ch: &Chunk,
@@ -760,7 +761,8 @@ impl<'a> Forward<'a> {
         norm: &Value,
         next: Option<&Value>,
     ) -> (Value, Option<Value>) {
-        let kernels = self.opts.spirv_kernels.filter(|_| ch.c == 1);
+        let fits = ch.c == 1 && self.cfg.hidden_size <= kernels::SPIRV_MAX_HIDDEN;
+        let kernels = self.opts.spirv_kernels.filter(|_| fits);
         if let (Some(kernels), Some(next)) = (kernels, next) {
             let n = self.cfg.hidden_size as u32;
             let eps = (self.cfg.rms_norm_eps as f32).to_bits();
