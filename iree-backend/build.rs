@@ -4,9 +4,8 @@
 //!   scores and candidate rows, the decode step's and the chunks' attention) into the object
 //!   that llvm-cpu modules link on hosts with AVX-512. Only for x86-64 targets, with the C
 //!   compiler `cc` finds (gcc or clang);
-//! - the decode step's attention and residual norms for Vulkan (`kernels/attend_split.comp`,
-//!   `kernels/attend_merge.comp`, `kernels/add_norm.comp`, GLSL) into the SPIR-V that Vulkan
-//!   modules dispatch, with `glslangValidator` (Debian's `glslang-tools`;
+//! - the decode step's attention, residual norms and GeGLU for Vulkan (`kernels/*.comp`,
+//!   GLSL) into the SPIR-V that Vulkan modules dispatch, with `glslangValidator` (Debian's `glslang-tools`;
 //!   `$GLSLANG_VALIDATOR` names another).
 //!
 //! Where a compiler is missing or fails, a warning says so and the modules keep IREE's own
@@ -17,7 +16,7 @@ use std::process::Command;
 
 const SOURCE: &str = "kernels/avx512.c";
 /// The shaders, each compiled to `OUT_DIR/{name}.spv`, and what they include.
-const SHADERS: [&str; 3] = ["attend_split", "attend_merge", "add_norm"];
+const SHADERS: [&str; 4] = ["attend_split", "attend_merge", "add_norm", "geglu_down"];
 const SHADER_INCLUDES: [&str; 1] = ["kernels/exp.glsl"];
 
 fn main() {
@@ -97,7 +96,7 @@ fn shaders() {
             ),
             Err(e) => format!("no {tool} for {source} ({e}; apt-get install glslang-tools)"),
         };
-        println!("cargo::warning={why}; Vulkan modules use IREE's own code for the decode step's attention and norms");
+        println!("cargo::warning={why}; Vulkan modules use IREE's own code for the decode step's attention, norms and GeGLU");
         return;
     }
     println!("cargo::rustc-cfg=kvsnap_spirv_kernels");

@@ -91,6 +91,10 @@ pub const SPIRV_MAX_HEAD_DIM: usize = 256;
 /// add_norm.comp: each of its threads holds its dims in registers).
 pub const SPIRV_MAX_HIDDEN: usize = 3072;
 
+/// Rows of the down product a workgroup of the Vulkan GeGLU kernel takes (`ROWS` in
+/// geglu_down.comp).
+pub const SPIRV_DOWN_ROWS: usize = 4;
+
 /// The decode step's kernels on Vulkan, SPIR-V objects dispatched by
 /// [`crate::emit::FuncBuilder::dispatch_spirv`]:
 ///
@@ -110,7 +114,11 @@ pub const SPIRV_MAX_HIDDEN: usize = 3072;
 /// - `add_norm` takes a residual `x`, a layer's output `a` (`[1, n]` each) and two norms'
 ///   weights (`[n]` each, the scale less one), with the push constants `n, eps bits`, one
 ///   workgroup, and returns `x + rms_norm(a, w_a)` and that sum normed by `w_h` (`[1, n]`
-///   each).
+///   each);
+/// - `geglu_down` takes the gate/up product's row (`[1, 2 * ffn]`, gate then up) and the
+///   down matrix (`[hidden, ffn]`, rows), with the push constants `hidden, ffn`, a workgroup
+///   every [`SPIRV_DOWN_ROWS`] rows, and returns `down . (gelu_tanh(gate) * up)` (`[1,
+///   hidden]`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SpirvKernels {
     /// The attention splits' kernel.
@@ -119,37 +127,40 @@ pub struct SpirvKernels {
     pub merge: LinkedObject,
     /// The residual's and the next norm's kernel.
     pub add_norm: LinkedObject,
+    /// The MLP's GeGLU and down product.
+    pub geglu_down: LinkedObject,
 }
 
 impl SpirvKernels {
     /// The objects, each dispatch's executable.
-    pub fn objects(&self) -> [LinkedObject; 3] {
-        [self.split, self.merge, self.add_norm]
+    pub fn objects(&self) -> [LinkedObject; 4] {
+        [self.split, self.merge, self.add_norm, self.geglu_down]
     }
 }
 
 #[cfg(kvsnap_spirv_kernels)]
-const SPIRV: Option<[&[u8]; 3]> = Some([
+const SPIRV: Option<[&[u8]; 4]> = Some([
     include_bytes!(concat!(env!("OUT_DIR"), "/attend_split.spv")),
     include_bytes!(concat!(env!("OUT_DIR"), "/attend_merge.spv")),
     include_bytes!(concat!(env!("OUT_DIR"), "/add_norm.spv")),
+    include_bytes!(concat!(env!("OUT_DIR"), "/geglu_down.spv")),
 ]);
 #[cfg(not(kvsnap_spirv_kernels))]
-const SPIRV: Option<[&[u8]; 3]> = None;
+const SPIRV: Option<[&[u8]; 4]> = None;
 
 /// The Vulkan decode step's kernels, when this build compiled them, each named by its
 /// content.
 pub fn spirv_kernels() -> Option<SpirvKernels> {
-    static NAMES: OnceLock<[String; 3]> = OnceLock::new();
+    static NAMES: OnceLock<[String; 4]> = OnceLock::new();
     let bytes = SPIRV?;
     let names = NAMES.get_or_init(|| {
-        let kinds = ["attend_split", "attend_merge", "add_norm"];
+        let kinds = ["attend_split", "attend_merge", "add_norm", "geglu_down"];
         std::array::from_fn(|i| {
             let tag = hex(&Sha256::digest(bytes[i])[..8]);
             format!("kvsnap_{}_{tag}.spv", kinds[i])
         })
     });
-    let [split, merge, add_norm] = std::array::from_fn(|i| LinkedObject {
+    let [split, merge, add_norm, geglu_down] = std::array::from_fn(|i| LinkedObject {
         name: &names[i],
         bytes: bytes[i],
     });
@@ -157,6 +168,7 @@ pub fn spirv_kernels() -> Option<SpirvKernels> {
         split,
         merge,
         add_norm,
+        geglu_down,
     })
 }
 

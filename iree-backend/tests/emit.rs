@@ -1339,7 +1339,8 @@ fn vulkan_attends_few_query_rows_in_blocks_of_keys() {
 /// in-place results), then the merge; no scores tensor of one query row, no rotated heads in
 /// the graph (RoPE's `reverse`), and the only scatter a step's is the ring's positions'. Each
 /// residual and the norm after it are one dispatch of the third kernel, but for the last
-/// layer's (the head's final norm follows). Chunks keep IREE's code.
+/// layer's (the head's final norm follows); the MLP's GeGLU and down product one of the
+/// fourth. Chunks keep IREE's code.
 #[test]
 fn vulkan_decode_steps_run_the_spirv_kernels() {
     use kvsnap_iree::kernels::{SpirvKernels, SPIRV_SPLIT_ROWS};
@@ -1350,13 +1351,14 @@ fn vulkan_decode_steps_run_the_spirv_kernels() {
         split: object("test_split.spv"),
         merge: object("test_merge.spv"),
         add_norm: object("test_add_norm.spv"),
+        geglu_down: object("test_geglu_down.spv"),
     };
     let opts = GraphOptions {
         spirv_kernels: Some(kernels),
         ..GraphOptions::vulkan()
     };
     let g = graphs::build(&cfg, &[1, 8, 64], opts);
-    assert_eq!(g.objects, [kernels.split, kernels.merge, kernels.add_norm]);
+    assert_eq!(g.objects, kernels.objects());
     let (layers, capacity) = (cfg.num_layers(), cfg.context_capacity);
     let ring = g.manifest.ring;
     assert_eq!(SPIRV_SPLIT_ROWS, 16);
@@ -1393,13 +1395,20 @@ fn vulkan_decode_steps_run_the_spirv_kernels() {
         let span = (e.span < capacity).then_some(e.span);
         let sliding = ring.rows_seen(1, span);
         let global = e.span;
-        assert_eq!(externs, (4 * layers - 1) * e.steps, "{}", e.name);
+        assert_eq!(externs, (5 * layers - 1) * e.steps, "{}", e.name);
         let hidden = format!("tensor<1x{}xf32>", cfg.hidden_size);
         let norm = format!("tensor<{}xf32>", cfg.hidden_size);
         let add_norm =
             format!("(i32, i32, {hidden}, {hidden}, {norm}, {norm}) -> ({hidden}, {hidden})\n");
         let add_norms = body.matches(&add_norm).count();
         assert_eq!(add_norms, (2 * layers - 1) * e.steps, "{}: norms", e.name);
+        let (ffn, h) = (cfg.intermediate_size, cfg.hidden_size);
+        let geglu = format!(
+            "(i32, i32, tensor<1x{}xf32>, tensor<{h}x{ffn}xf32>) -> (tensor<1x{h}xf32>)\n",
+            2 * ffn
+        );
+        let geglus = body.matches(&geglu).count();
+        assert_eq!(geglus, layers * e.steps, "{}: GeGLU and down", e.name);
         for (rows, buf, n) in [
             (sliding, ring.rows, layers - globals),
             (global, capacity, globals),

@@ -810,9 +810,31 @@ impl<'a> Forward<'a> {
         (x, kv_out)
     }
 
-    /// `down(gelu_tanh(gate(x)) * up(x))`, GELU written as the reference's `gelu_tanh`.
+    /// `down(gelu_tanh(gate(x)) * up(x))`, GELU written as the reference's `gelu_tanh`. The
+    /// decode step's GeGLU and down product run in one dispatch of kvsnap's SPIR-V kernel
+    /// where it takes them ([`GraphOptions::spirv_kernels`], the matrices in rows, `ffn` a
+    /// multiple of 4).
     fn mlp(&mut self, w: &LayerWeights, x: &Value) -> Value {
         let ffn = self.cfg.intermediate_size;
+        let fits =
+            x.dims()[0] == 1 && self.opts.layout == WeightLayout::Rows && ffn.is_multiple_of(4);
+        if let Some(kernels) = self.opts.spirv_kernels.filter(|_| fits) {
+            let gu = self.linear(&w.gate_up_proj, x, 2 * ffn);
+            let hidden = self.cfg.hidden_size;
+            let groups = hidden.div_ceil(kernels::SPIRV_DOWN_ROWS);
+            let [y]: [Value; 1] = self
+                .b
+                .dispatch_spirv(
+                    kernels.geglu_down.name,
+                    [groups, 1, 1],
+                    &[hidden as u32, ffn as u32],
+                    (&[&gu, &w.down_proj], &[]),
+                    &[TensorType::f32(&[1, hidden])],
+                )
+                .try_into()
+                .expect("one result");
+            return y;
+        }
         let [g, u] = self.linear_stack(&w.gate_up_proj, x, [ffn, ffn]);
         let dims = g.dims().to_vec();
         // 0.5 * x * (1 + tanh(SQRT_2_OVER_PI * (x + 0.044715 * x * x * x)))
