@@ -24,13 +24,14 @@
 //! by name in the directory given with `--iree-hal-executable-object-search-path`
 //! ([`crate::compile::Compiler::compile_tuned`]).
 //!
-//! Vulkan modules dispatch three SPIR-V kernels of their own for the decode step
+//! Vulkan modules dispatch four SPIR-V kernels of their own for the decode step
 //! ([`SpirvKernels`]; `kernels/*.comp`, GLSL compiled by the build script): its attention in
 //! two dispatches a layer (`attend_split.comp`, `attend_merge.comp`), where IREE's code took
 //! nine (the heads' norms and RoPE, the K and V rows' writes, the scores, their maximum and
-//! sum, the weighted values in blocks and the blocks' sum), and each residual with the next
-//! norm in one (`add_norm.comp`), where IREE's took two; each dispatch is a drain of the
-//! queue before the next.
+//! sum, the weighted values in blocks and the blocks' sum), each residual with the next norm
+//! in one (`add_norm.comp`) and the MLP's GeGLU with its down product in one
+//! (`geglu_down.comp`), where IREE's took two each; each dispatch is a drain of the queue
+//! before the next.
 
 use std::sync::OnceLock;
 

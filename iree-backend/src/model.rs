@@ -51,8 +51,8 @@ pub struct IreeOptions {
     pub input: Option<Input>,
     /// Link kvsnap's own kernels into the module where this build and host have them
     /// ([`crate::kernels`]: on llvm-cpu the chunks' panel products, the head's screen and the
-    /// attention on AVX-512; on Vulkan the decode step's attention in SPIR-V); `false` keeps
-    /// IREE's code for everything.
+    /// attention on AVX-512; on Vulkan the decode step's attention, norms and GeGLU in
+    /// SPIR-V); `false` keeps IREE's code for everything.
     pub own_kernels: bool,
 }
 
