@@ -1024,6 +1024,8 @@ impl<'a> Forward<'a> {
             k_buf,
             v_buf,
         ];
+        // The buffers, last, are written in place.
+        let in_place = [args.len() - 2, args.len() - 1];
         let [part, k_buf, v_buf]: [Value; 3] = self
             .b
             .dispatch_spirv(
@@ -1039,7 +1041,7 @@ impl<'a> Forward<'a> {
                     splits_,
                     eps,
                 ],
-                (&args, &[9, 10]),
+                (&args, &in_place),
                 &[TensorType::f32(&[splits, kvh, g, hd + 2])],
             )
             .try_into()
