@@ -5,8 +5,8 @@
 //!   that llvm-cpu modules link on hosts with AVX-512. Only for x86-64 targets, with the C
 //!   compiler `cc` finds (gcc or clang);
 //! - the decode step's attention, residual norms and GeGLU for Vulkan (`kernels/*.comp`,
-//!   GLSL) into the SPIR-V that Vulkan modules dispatch, with `glslangValidator` (Debian's `glslang-tools`;
-//!   `$GLSLANG_VALIDATOR` names another).
+//!   GLSL) into the SPIR-V that Vulkan modules dispatch, with `glslangValidator` (Debian's
+//!   `glslang-tools`; `$GLSLANG_VALIDATOR` names another).
 //!
 //! Where a compiler is missing or fails, a warning says so and the modules keep IREE's own
 //! code for that work.

@@ -1358,7 +1358,13 @@ fn vulkan_decode_steps_run_the_spirv_kernels() {
         ..GraphOptions::vulkan()
     };
     let g = graphs::build(&cfg, &[1, 8, 64], opts);
-    assert_eq!(g.objects, kernels.objects());
+    let all = [
+        kernels.split,
+        kernels.merge,
+        kernels.add_norm,
+        kernels.geglu_down,
+    ];
+    assert_eq!(g.objects, all);
     let (layers, capacity) = (cfg.num_layers(), cfg.context_capacity);
     let ring = g.manifest.ring;
     assert_eq!(SPIRV_SPLIT_ROWS, 16);
@@ -1396,13 +1402,13 @@ fn vulkan_decode_steps_run_the_spirv_kernels() {
         let sliding = ring.rows_seen(1, span);
         let global = e.span;
         assert_eq!(externs, (5 * layers - 1) * e.steps, "{}", e.name);
-        let hidden = format!("tensor<1x{}xf32>", cfg.hidden_size);
-        let norm = format!("tensor<{}xf32>", cfg.hidden_size);
+        let (h, ffn) = (cfg.hidden_size, cfg.intermediate_size);
+        let hidden = format!("tensor<1x{h}xf32>");
+        let norm = format!("tensor<{h}xf32>");
         let add_norm =
             format!("(i32, i32, {hidden}, {hidden}, {norm}, {norm}) -> ({hidden}, {hidden})\n");
         let add_norms = body.matches(&add_norm).count();
         assert_eq!(add_norms, (2 * layers - 1) * e.steps, "{}: norms", e.name);
-        let (ffn, h) = (cfg.intermediate_size, cfg.hidden_size);
         let geglu = format!(
             "(i32, i32, tensor<1x{}xf32>, tensor<{h}x{ffn}xf32>) -> (tensor<1x{h}xf32>)\n",
             2 * ffn
