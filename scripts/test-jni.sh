@@ -5,8 +5,8 @@
 # KVSNAP_REQUIRE_MODEL=1), on each backend of KVSNAP_JNI_BACKENDS (default `reference iree-cpu`,
 # plus `iree-vulkan` when IREE opens a Vulkan device, lavapipe included; the tokens of every
 # backend are compared with the Rust reference's). KVSNAP_JNI_REAL_VULKAN=0 skips the real model
-# on iree-vulkan (about 19 s on lavapipe with the module cached). It also exports two llvm-cpu modules for
-# the `moduleDir` checks. Closes with `jni: N passed, N failed`; exits non-zero on a failure.
+# on iree-vulkan (about 19 s on lavapipe with the module cached). It also exports three llvm-cpu
+# modules for the `moduleDir` checks. Closes with `jni: N passed, N failed`; exits non-zero on a failure.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -43,11 +43,12 @@ echo "== jni: expected tokens from the Rust API"
 "$EXPECTED" tiny "$WORK/tiny"
 "$EXPECTED" flow "$WORK/tiny" 40 3 6 5 7 >"$WORK/tiny.expected"
 
-echo "== jni: exported modules for the moduleDir checks (tiny model; another capacity)"
+echo "== jni: exported modules for the moduleDir checks (tiny model; another capacity; another window)"
 "$EXPECTED" module "$WORK/tiny" "$WORK/module-tiny"
-"$EXPECTED" module "$WORK/tiny" "$WORK/module-other" 64
+"$EXPECTED" module "$WORK/tiny" "$WORK/module-capacity" 64
+"$EXPECTED" module "$WORK/tiny" "$WORK/module-other" other-window
 # The first model is where the thread and error checks run: the tiny one on the first backend.
-MODELS=(--modules "$WORK/module-tiny" "$WORK/module-other")
+MODELS=(--modules "$WORK/module-tiny" "$WORK/module-capacity" 64 "$WORK/module-other")
 for b in "${BACKENDS[@]}"; do
     MODELS+=(--model tiny "$b" "$WORK/tiny" "$WORK/tiny.expected")
 done

@@ -306,13 +306,18 @@ enum ChunkInput<'a> {
 
 impl IreeModel {
     /// Loads `config.json` and `model.safetensors` from an HF checkpoint directory, builds and
-    /// compiles (cached) the graphs, opens the device and imports the weights.
+    /// compiles (cached) the graphs, opens the device and imports the weights. With
+    /// [`IreeOptions::module_dir`] the capacity (unless `opts` gives one), chunk sizes, input
+    /// and kernels are those the module was exported with ([`crate::module::load_options`]).
     pub fn load(dir: &Path, opts: &IreeOptions) -> Result<Self> {
-        Self::load_config(dir, ModelConfig::from_dir(dir, opts.capacity)?, opts)
+        let opts = crate::module::load_options(opts, opts.capacity)?;
+        Self::load_config(dir, ModelConfig::from_dir(dir, opts.capacity)?, &opts)
     }
 
-    /// Like [`IreeModel::load`] with an already parsed config.
+    /// Like [`IreeModel::load`] with an already parsed config (whose capacity a module of
+    /// [`IreeOptions::module_dir`] must have been exported with).
     pub fn load_config(dir: &Path, cfg: ModelConfig, opts: &IreeOptions) -> Result<Self> {
+        let opts = &crate::module::load_options(opts, Some(cfg.context_capacity))?;
         let g = model_graphs(&cfg, opts);
 
         // The device first: a machine without one fails fast, before a long compile. Devices and

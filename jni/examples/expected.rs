@@ -8,10 +8,11 @@
 //!     prints the catalog flow: a PREFIX-token prefix prefilled once and snapshotted, then TURNS
 //!     turns, each extending a copy of the snapshot by UTTERANCE tokens and stepping STEPS
 //!     times greedily
-//! expected module MODEL_DIR OUT_DIR [CAPACITY]
+//! expected module MODEL_DIR OUT_DIR [CAPACITY | other-window]
 //!     compiles the llvm-cpu module `iree-cpu` loads for MODEL_DIR (with CAPACITY instead of the
-//!     config's context capacity: a module for another config) and writes it to OUT_DIR, as
-//!     `kvsnap export` does, for the Java test's `moduleDir` checks
+//!     config's context capacity, which loading takes from the module; or for another config,
+//!     a sliding window one longer) and writes it to OUT_DIR, as `kvsnap export` does, for the
+//!     Java test's `moduleDir` checks
 //! expected vulkan
 //!     exits 0 when IREE opens Vulkan device 0 (a GPU or lavapipe), 1 with IREE's text if not
 //! ```
@@ -53,9 +54,12 @@ fn main() -> ExitCode {
                 _ => return usage(),
             }
         }
-        ["module", dir, out] => export(Path::new(dir), Path::new(out), None),
+        ["module", dir, out] => export(Path::new(dir), Path::new(out), Change::None),
+        ["module", dir, out, "other-window"] => {
+            export(Path::new(dir), Path::new(out), Change::OtherWindow)
+        }
         ["module", dir, out, capacity] => match capacity.parse::<usize>() {
-            Ok(c) => export(Path::new(dir), Path::new(out), Some(c)),
+            Ok(c) => export(Path::new(dir), Path::new(out), Change::Capacity(c)),
             Err(_) => return usage(),
         },
         ["vulkan"] => Instance::new()
@@ -75,7 +79,7 @@ fn main() -> ExitCode {
 fn usage() -> ExitCode {
     eprintln!(
         "usage: expected tiny OUT_DIR\n       expected flow MODEL_DIR PREFIX TURNS UTTERANCE STEPS SEED\n       \
-         expected module MODEL_DIR OUT_DIR [CAPACITY]\n       expected vulkan"
+         expected module MODEL_DIR OUT_DIR [CAPACITY | other-window]\n       expected vulkan"
     );
     ExitCode::from(2)
 }
@@ -136,9 +140,25 @@ fn flow(
     m.release(catalog)
 }
 
-/// Writes the llvm-cpu module of `dir`'s config (with `capacity`, if given) to `out`.
-fn export(dir: &Path, out: &Path, capacity: Option<usize>) -> Result<()> {
-    let cfg = ModelConfig::from_dir(dir, capacity)?;
+/// How an exported module's config differs from its model's.
+enum Change {
+    None,
+    /// Another context capacity: loading takes it from the module.
+    Capacity(usize),
+    /// A sliding window one longer: a module for another config.
+    OtherWindow,
+}
+
+/// Writes the llvm-cpu module of `dir`'s config, changed by `change`, to `out`.
+fn export(dir: &Path, out: &Path, change: Change) -> Result<()> {
+    let capacity = match change {
+        Change::Capacity(c) => Some(c),
+        Change::None | Change::OtherWindow => None,
+    };
+    let mut cfg = ModelConfig::from_dir(dir, capacity)?;
+    if let Change::OtherWindow = change {
+        cfg.sliding_window += 1;
+    }
     module::export(out, &cfg, Target::LlvmCpu, &mut |_| {})?;
     Ok(())
 }

@@ -75,9 +75,11 @@ mod iree_only {
         module::export(dir, cfg, Target::LlvmCpu, &mut |_| {}).expect("exporting the tiny module");
     }
 
-    /// A module exported for the tiny model with another capacity is refused with a typed
-    /// format error while the live states run on; the module of the right config loads from the
-    /// same kind of directory and gives the same tokens.
+    /// A module exported for the tiny model with another capacity loads where the caller asks
+    /// for none (as the JNI's `moduleDir` does), with that capacity; asking for another is a
+    /// typed format error naming both, as is a module exported for another config (another
+    /// sliding window: its MLIR differs), the live states running on. The module of the right
+    /// config loads from the same kind of directory and gives the same tokens.
     #[test]
     fn module_built_for_another_config() {
         let _guard = kvsnap_reliability::shared();
@@ -89,6 +91,10 @@ mod iree_only {
             &other,
             &cfg.clone().with_context_capacity(CAPACITY * 2).unwrap(),
         );
+        let window = b.root.join("module-other-window");
+        let mut other_window = cfg.clone().with_context_capacity(CAPACITY).unwrap();
+        other_window.sliding_window += 1;
+        export(&window, &other_window);
         let matching = b.root.join("module-matching");
         export(&matching, &cfg.with_context_capacity(CAPACITY).unwrap());
 
@@ -101,27 +107,57 @@ mod iree_only {
                 iree(&tiny, CAPACITY, with_module(&other)).map(|_| ()),
                 "format",
                 &[
-                    "compiled for another model config",
+                    &format!("capacity of {} tokens", CAPACITY * 2),
+                    &format!("asks for {CAPACITY}"),
                     "kvsnap.llvm-cpu.json",
                     "kvsnap export",
                 ],
             );
             assert!(matches!(e, Error::Format { .. }), "{e:?}");
             eprintln!("{e}");
+            let e = expect_err(
+                IreeModel::load(&tiny, &with_module(&window)).map(|_| ()),
+                "format",
+                &[
+                    "compiled for another model config",
+                    "kvsnap.llvm-cpu.json",
+                    "kvsnap export",
+                ],
+            );
+            eprintln!("{e}");
         });
-        let loaded = iree(&tiny, CAPACITY, with_module(&matching)).expect("the matching module");
-        assert!(loaded.load_report().cache_hit);
         let prompt = [2, 105, 17, 300, 4];
         let (_, want) = b.model.prefill(&prompt, Logits::Return).unwrap();
-        let (_, got) = loaded.prefill(&prompt, Logits::Return).unwrap();
-        assert_eq!((got.token, got.logits), (want.token, want.logits));
+        for (dir, capacity) in [(&other, CAPACITY * 2), (&matching, CAPACITY)] {
+            let loaded = IreeModel::load(&tiny, &with_module(dir)).expect("the module's config");
+            assert!(loaded.load_report().cache_hit);
+            assert_eq!(loaded.config().context_capacity, capacity);
+            let (_, got) = loaded.prefill(&prompt, Logits::Return).unwrap();
+            assert_eq!(got.token, want.token);
+            let (got, want) = (got.logits.unwrap(), want.logits.clone().unwrap());
+            if capacity == CAPACITY {
+                // The shared model's module, loaded from the directory: the same numbers.
+                assert_eq!(got, want);
+            } else {
+                assert!(worst_difference(&got, &want) < 1e-4);
+            }
+        }
+    }
+
+    /// The largest absolute difference of two logit rows.
+    fn worst_difference(a: &[f32], b: &[f32]) -> f32 {
+        assert_eq!(a.len(), b.len());
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max)
     }
 
     /// A module exported with IREE's own code throughout (`own_kernels: false`, as
-    /// `KVSNAP_OWN_KERNELS=0 kvsnap export` writes it) loads with the same option and gives the
-    /// shared model's token and logits; on a host whose modules link kvsnap's kernels, loading
-    /// it with them is a typed format error naming the kind of host, the live states
-    /// untouched.
+    /// `KVSNAP_OWN_KERNELS=0 kvsnap export` writes it) loads with the default options, its
+    /// description saying it links none, and gives the shared model's token and logits. Where
+    /// this host's modules link kvsnap's kernels, a load that asks for IREE's code throughout
+    /// refuses one exported with them: a typed format error, the live states untouched.
     #[test]
     fn module_exported_without_own_kernels() {
         let _guard = kvsnap_reliability::shared();
@@ -141,36 +177,41 @@ mod iree_only {
             .expect("exporting the tiny module with IREE's products");
         assert!(graphs.objects.is_empty());
 
-        let from_dir = |own_kernels: bool| IreeOptions {
-            module_dir: Some(dir.clone()),
+        let from_dir = |dir: &Path, own_kernels: bool| IreeOptions {
+            module_dir: Some(dir.to_path_buf()),
             own_kernels,
             ..IreeOptions::cpu()
         };
         if kvsnap_iree::kernels::kernel_object().is_some() {
+            let with_kernels = b.root.join("module-own-kernels");
+            export(&with_kernels, &cfg);
             isolated(&b.model, |_, _| {
                 let e = expect_err(
-                    iree(&tiny, CAPACITY, from_dir(true)).map(|_| ()),
+                    IreeModel::load(&tiny, &from_dir(&with_kernels, false)).map(|_| ()),
                     "format",
-                    &["another kind of host", "kvsnap.llvm-cpu.json"],
+                    &[
+                        "links kvsnap's own kernels",
+                        "KVSNAP_OWN_KERNELS=0",
+                        "kvsnap.llvm-cpu.json",
+                    ],
                 );
                 assert!(matches!(e, Error::Format { .. }), "{e:?}");
             });
         } else {
-            eprintln!("SKIPPED: the mismatch half: no kernel object on this build or host");
+            eprintln!("SKIPPED: the refusal half: no kernel object on this build or host");
         }
-        let loaded = iree(&tiny, CAPACITY, from_dir(false)).expect("the module of its options");
-        assert!(loaded.load_report().cache_hit && loaded.load_report().objects.is_empty());
         let prompt = [2, 105, 17, 300, 4];
         let (_, want) = b.model.prefill(&prompt, Logits::Return).unwrap();
-        let (_, got) = loaded.prefill(&prompt, Logits::Return).unwrap();
-        assert_eq!(got.token, want.token);
-        let (got, want) = (got.logits.unwrap(), want.logits.unwrap());
-        let worst = got
-            .iter()
-            .zip(&want)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0f32, f32::max);
-        assert!(worst < 1e-4, "logits differ by {worst}");
+        for own_kernels in [true, false] {
+            let loaded = IreeModel::load(&tiny, &from_dir(&dir, own_kernels))
+                .expect("the module of its options");
+            assert!(loaded.load_report().cache_hit && loaded.load_report().objects.is_empty());
+            let (_, got) = loaded.prefill(&prompt, Logits::Return).unwrap();
+            assert_eq!(got.token, want.token);
+            let (got, want) = (got.logits.unwrap(), want.logits.clone().unwrap());
+            let worst = worst_difference(&got, &want);
+            assert!(worst < 1e-4, "logits differ by {worst}");
+        }
     }
 
     /// Opening Vulkan device 99 is a typed backend error naming it, with the devices IREE's

@@ -74,6 +74,20 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         module::export_with(&compiler, &args.out, &cfg, &opts, &mut |p| eprintln!("{p}"))
             .with_context(|| format!("exporting the module to {}", args.out.display()))?;
     let (mlir, vmfb, json) = module::paths(&args.out, target);
+    if let Some(with) = module::info(&args.out, target)?.exported_with {
+        println!(
+            "recorded for loading: context capacity {} tokens, chunk sizes {:?}, input \
+             `{}`, kvsnap's own kernels {}",
+            with.capacity,
+            with.chunks,
+            with.input.name(),
+            if with.own_kernels {
+                "linked"
+            } else {
+                "not linked"
+            }
+        );
+    }
     println!(
         "exported {} ({} KB of MLIR, {} entry points) and {} ({:.1} MB) in {:.1} s; {}",
         mlir.display(),

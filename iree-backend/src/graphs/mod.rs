@@ -79,8 +79,9 @@ pub const DEFAULT_CHUNKS: [usize; 7] = [1, 8, 16, 24, 32, 64, 128];
 /// The steps of Vulkan's multi-step decode entry points ([`GraphOptions::decode_steps`]).
 pub const DECODE_STEPS: usize = 16;
 
-/// Which input an entry point takes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// Which input an entry point takes (in a module's description: `ids`, `embeddings`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Input {
     /// Token ids; the graph gathers the embedding rows.
     Ids,
@@ -91,6 +92,14 @@ pub enum Input {
 impl Input {
     /// Both input kinds, ids first.
     pub const ALL: [Input; 2] = [Input::Ids, Input::Embeddings];
+
+    /// `ids` or `embeddings`, as a module's description names it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Input::Ids => "ids",
+            Input::Embeddings => "embeddings",
+        }
+    }
 
     fn tag(self) -> &'static str {
         match self {
@@ -309,7 +318,6 @@ pub struct Graphs {
 /// with the choices of `opts`.
 ///
 /// # Panics
-/// If `chunks` is empty or holds 0, or a chunk is longer than the context capacity.
 /// If `chunks` is empty or holds 0, or a chunk is longer than the context capacity; if
 /// `opts.screen` is set without [`WeightLayout::Panels`] or for a softcapped config.
 pub fn build(cfg: &ModelConfig, chunks: &[usize], opts: GraphOptions) -> Graphs {

@@ -23,13 +23,15 @@ import java.util.stream.Stream;
  *
  * <pre>
  * java -Dkvsnap.library.path=LIB -cp CLASSES dev.kvsnap.JniTest \
- *     --model NAME BACKEND DIR EXPECTED [--model ...] [--modules MATCHING OTHER] [--skip NAME REASON]
+ *     --model NAME BACKEND DIR EXPECTED [--model ...] [--modules MATCHING CAPACITY_DIR CAPACITY OTHER]
+ *     [--skip NAME REASON]
  * </pre>
  *
  * The first model is the tiny one: the error and thread tests run on it (open with default
- * module dir and device), and the {@code moduleDir} checks on iree-cpu with the two exported
- * module directories of {@code --modules} (one for the tiny model, one for another config). Prints one line per
- * check and closes with {@code jni: N passed, N failed[, N skipped]}; exits 1 on any failure.
+ * module dir and device), and the {@code moduleDir} checks on iree-cpu with the exported module
+ * directories of {@code --modules}: one for the tiny model, one for it with context capacity
+ * CAPACITY, one for another config. Prints one line per check and closes with
+ * {@code jni: N passed, N failed[, N skipped]}; exits 1 on any failure.
  */
 public final class JniTest {
     private int passed;
@@ -489,12 +491,21 @@ public final class JniTest {
 
     /**
      * {@code moduleDir} on iree-cpu: a module exported for the tiny model loads without compiling
-     * and gives the Rust tokens; one exported for another config (another capacity) is refused.
+     * and gives the Rust tokens; one exported with another context capacity opens with that
+     * capacity (the module's description gives it) and gives the same tokens; one exported for
+     * another config (another sliding window) is refused.
      */
-    void moduleChecks(String dir, Expected e, String matching, String other) {
+    void moduleChecks(String dir, Expected e, String matching, String capacityDir, int capacity, String other) {
         check("moduleDir: iree-cpu from an exported module gives the Rust tokens", () -> {
             try (KvModel m = KvModel.open("iree-cpu", dir, matching, null); KvState catalog = m.prefill(e.prefix)) {
                 assertEq("iree-cpu", m.backend(), "backend");
+                assertEq(e.prefill, catalog.nextToken(), "prefill token");
+                assertEq(e.outputs.get(0), turn(catalog, e.utterances.get(0), e.steps()), "turn 0");
+            }
+        });
+        check("moduleDir: a module exported with capacity " + capacity + " opens with it and gives the Rust tokens", () -> {
+            try (KvModel m = KvModel.open("iree-cpu", dir, capacityDir, null); KvState catalog = m.prefill(e.prefix)) {
+                assertEq(capacity, m.contextCapacity(), "context capacity");
                 assertEq(e.prefill, catalog.nextToken(), "prefill token");
                 assertEq(e.outputs.get(0), turn(catalog, e.utterances.get(0), e.steps()), "turn 0");
             }
@@ -519,14 +530,14 @@ public final class JniTest {
             if (args[i].equals("--model") && i + 4 < args.length) {
                 models.add(new String[] {args[i + 1], args[i + 2], args[i + 3], args[i + 4]});
                 i += 5;
-            } else if (args[i].equals("--modules") && i + 2 < args.length) {
-                modules = new String[] {args[i + 1], args[i + 2]};
-                i += 3;
+            } else if (args[i].equals("--modules") && i + 4 < args.length) {
+                modules = new String[] {args[i + 1], args[i + 2], args[i + 3], args[i + 4]};
+                i += 5;
             } else if (args[i].equals("--skip") && i + 2 < args.length) {
                 t.skip(args[i + 1], args[i + 2]);
                 i += 3;
             } else {
-                System.err.println("usage: JniTest --model NAME BACKEND DIR EXPECTED ... [--modules MATCHING OTHER] [--skip NAME REASON]");
+                System.err.println("usage: JniTest --model NAME BACKEND DIR EXPECTED ... [--modules MATCHING CAPACITY_DIR CAPACITY OTHER] [--skip NAME REASON]");
                 System.exit(2);
             }
         }
@@ -546,7 +557,7 @@ public final class JniTest {
                 t.check("thread checks ran", () -> t.threadChecks(dir, e));
                 t.check("error checks ran", () -> t.errorChecks(dir, e));
                 if (modules != null) {
-                    t.moduleChecks(dir, e, modules[0], modules[1]);
+                    t.moduleChecks(dir, e, modules[0], modules[1], Integer.parseInt(modules[2]), modules[3]);
                 }
             }
         }
