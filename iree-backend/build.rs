@@ -15,9 +15,16 @@ use std::path::PathBuf;
 use std::process::Command;
 
 const SOURCE: &str = "kernels/avx512.c";
-/// The shaders, each compiled to `OUT_DIR/{name}.spv`, and what they include.
-const SHADERS: [&str; 4] = ["attend_split", "attend_merge", "add_norm", "geglu_down"];
-const SHADER_INCLUDES: [&str; 1] = ["kernels/exp.glsl"];
+/// The shaders: each `(name, source, defines)` compiles `kernels/{source}.comp` with the
+/// preprocessor's `defines` to `OUT_DIR/{name}.spv`; and what they include.
+const SHADERS: [(&str, &str, &[&str]); 5] = [
+    ("attend_split", "attend_split", &[]),
+    ("attend_merge", "attend_merge", &[]),
+    ("geglu_down", "matvec", &["GEGLU"]),
+    ("geglu_down_norm", "matvec", &["GEGLU", "ADD_NORM"]),
+    ("matvec_norm", "matvec", &["ADD_NORM"]),
+];
+const SHADER_INCLUDES: [&str; 2] = ["kernels/exp.glsl", "kernels/add_norm.glsl"];
 
 fn main() {
     shaders();
@@ -78,12 +85,14 @@ fn shaders() {
         println!("cargo::rerun-if-changed={include}");
     }
     let tool = std::env::var("GLSLANG_VALIDATOR").unwrap_or_else(|_| "glslangValidator".into());
-    for name in SHADERS {
-        let source = format!("kernels/{name}.comp");
+    for (name, source, defines) in SHADERS {
+        let source = format!("kernels/{source}.comp");
         println!("cargo::rerun-if-changed={source}");
         let out = out_dir().join(format!("{name}.spv"));
         let result = Command::new(&tool)
-            .args(["-V", "--target-env", "vulkan1.1", "-o"])
+            .args(["-V", "--target-env", "vulkan1.1"])
+            .args(defines.iter().map(|d| format!("-D{d}")))
+            .arg("-o")
             .arg(&out)
             .arg(&source)
             .output();

@@ -24,14 +24,14 @@
 //! by name in the directory given with `--iree-hal-executable-object-search-path`
 //! ([`crate::compile::Compiler::compile_tuned`]).
 //!
-//! Vulkan modules dispatch four SPIR-V kernels of their own for the decode step
-//! ([`SpirvKernels`]; `kernels/*.comp`, GLSL compiled by the build script): its attention in
-//! two dispatches a layer (`attend_split.comp`, `attend_merge.comp`), where IREE's code took
-//! nine (the heads' norms and RoPE, the K and V rows' writes, the scores, their maximum and
-//! sum, the weighted values in blocks and the blocks' sum), each residual with the next norm
-//! in one (`add_norm.comp`) and the MLP's GeGLU with its down product in one
-//! (`geglu_down.comp`), where IREE's took two each; each dispatch is a drain of the queue
-//! before the next.
+//! Vulkan modules dispatch SPIR-V kernels of their own for the decode step ([`SpirvKernels`];
+//! `kernels/*.comp`, GLSL compiled by the build script): its attention in two dispatches a
+//! layer (`attend_split.comp`, `attend_merge.comp`), where IREE's code took nine (the heads'
+//! norms and RoPE, the K and V rows' writes, the scores, their maximum and sum, the weighted
+//! values in blocks and the blocks' sum); the attention's output projection with its residual
+//! and the next norm in one, and the MLP's GeGLU and down product with theirs in one
+//! (`matvec.comp`, whose last workgroup runs the residual), where IREE's took three and
+//! four. Each dispatch is a drain of the queue before the next.
 
 use std::sync::OnceLock;
 
@@ -88,13 +88,20 @@ pub const SPIRV_MAX_GROUP: usize = 8;
 /// key/value head in shared memory).
 pub const SPIRV_MAX_HEAD_DIM: usize = 256;
 
-/// Largest hidden size the Vulkan residual kernel takes (`THREADS * PER_THREAD` in
-/// add_norm.comp: each of its threads holds its dims in registers).
+/// Largest hidden size the Vulkan residual takes (`THREADS * NORM_PER_THREAD` in
+/// add_norm.glsl: each of its threads holds its dims in registers).
 pub const SPIRV_MAX_HIDDEN: usize = 3072;
 
-/// Rows of the down product a workgroup of the Vulkan GeGLU kernel takes (`ROWS` in
-/// geglu_down.comp).
-pub const SPIRV_DOWN_ROWS: usize = 4;
+/// Rows of the product a workgroup of the Vulkan matvec kernels takes (`ROWS` in
+/// matvec.comp).
+pub const SPIRV_MATVEC_ROWS: usize = 4;
+
+/// The module global of the Vulkan kernels whose last workgroup finishes the work of all
+/// (`geglu_down_norm`, `matvec_norm`): `[SPIRV_COUNTERS]` i32, zeros at load, each a counter
+/// of the workgroups done that its kernel sets back to zero.
+pub const SPIRV_COUNTERS_GLOBAL: &str = "kvsnap_counters";
+/// Counters in [`SPIRV_COUNTERS_GLOBAL`].
+pub const SPIRV_COUNTERS: usize = 1;
 
 /// The decode step's kernels on Vulkan, SPIR-V objects dispatched by
 /// [`crate::emit::FuncBuilder::dispatch_spirv`]:
@@ -112,64 +119,85 @@ pub const SPIRV_DOWN_ROWS: usize = 4;
 ///   split's unnormalised sums, maximum score and sum of weights, then the buffers;
 /// - `merge` takes those and `kv_heads, group, head_dim, splits`, one workgroup a query head,
 ///   and returns the attention `[kv_heads, group, head_dim]`;
-/// - `add_norm` takes a residual `x`, a layer's output `a` (`[1, n]` each) and two norms'
-///   weights (`[n]` each, the scale less one), with the push constants `n, eps bits`, one
-///   workgroup, and returns `x + rms_norm(a, w_a)` and that sum normed by `w_h` (`[1, n]`
-///   each);
 /// - `geglu_down` takes the gate/up product's row (`[1, 2 * ffn]`, gate then up) and the
 ///   down matrix (`[hidden, ffn]`, rows), with the push constants `hidden, ffn`, a workgroup
-///   every [`SPIRV_DOWN_ROWS`] rows, and returns `down . (gelu_tanh(gate) * up)` (`[1,
-///   hidden]`).
+///   every [`SPIRV_MATVEC_ROWS`] rows, and returns `down . (gelu_tanh(gate) * up)` (`[1,
+///   hidden]`);
+/// - `matvec_norm` takes a row `v` (`[1, k]`), a matrix `m` (`[n, k]`, rows), a residual `x`
+///   (`[1, n]`), two norms' weights (`[n]` each, the scale less one) and the counters
+///   ([`SPIRV_COUNTERS_GLOBAL`], in place), with the push constants `n, k, eps bits`, a
+///   workgroup every [`SPIRV_MATVEC_ROWS`] rows, and returns `a = m . v`, `x + rms_norm(a,
+///   w_a)` and that sum normed by `w_h` (`[1, n]` each), then the counters: the workgroup
+///   that finishes last runs the residual;
+/// - `geglu_down_norm` is `matvec_norm` with `geglu_down`'s product: `v` the gate/up row
+///   (`[1, 2 * k]`), `m` the down matrix.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SpirvKernels {
     /// The attention splits' kernel.
     pub split: LinkedObject,
     /// The attention merge's kernel.
     pub merge: LinkedObject,
-    /// The residual's and the next norm's kernel.
-    pub add_norm: LinkedObject,
     /// The MLP's GeGLU and down product.
     pub geglu_down: LinkedObject,
+    /// The MLP's GeGLU and down product, then the residual and the next norm.
+    pub geglu_down_norm: LinkedObject,
+    /// A product, then the residual and the next norm (the attention's output projection).
+    pub matvec_norm: LinkedObject,
 }
 
 impl SpirvKernels {
     /// The objects, each dispatch's executable.
-    pub fn objects(&self) -> [LinkedObject; 4] {
-        [self.split, self.merge, self.add_norm, self.geglu_down]
+    pub fn objects(&self) -> [LinkedObject; 5] {
+        [
+            self.split,
+            self.merge,
+            self.geglu_down,
+            self.geglu_down_norm,
+            self.matvec_norm,
+        ]
     }
 }
 
 #[cfg(kvsnap_spirv_kernels)]
-const SPIRV: Option<[&[u8]; 4]> = Some([
+const SPIRV: Option<[&[u8]; 5]> = Some([
     include_bytes!(concat!(env!("OUT_DIR"), "/attend_split.spv")),
     include_bytes!(concat!(env!("OUT_DIR"), "/attend_merge.spv")),
-    include_bytes!(concat!(env!("OUT_DIR"), "/add_norm.spv")),
     include_bytes!(concat!(env!("OUT_DIR"), "/geglu_down.spv")),
+    include_bytes!(concat!(env!("OUT_DIR"), "/geglu_down_norm.spv")),
+    include_bytes!(concat!(env!("OUT_DIR"), "/matvec_norm.spv")),
 ]);
 #[cfg(not(kvsnap_spirv_kernels))]
-const SPIRV: Option<[&[u8]; 4]> = None;
+const SPIRV: Option<[&[u8]; 5]> = None;
 
 /// The Vulkan decode step's kernels, when this build compiled them, each named by its
 /// content.
 pub fn spirv_kernels() -> Option<SpirvKernels> {
-    static NAMES: OnceLock<[String; 4]> = OnceLock::new();
+    static NAMES: OnceLock<[String; 5]> = OnceLock::new();
     let bytes = SPIRV?;
     let names = NAMES.get_or_init(|| {
-        let kinds = ["attend_split", "attend_merge", "add_norm", "geglu_down"];
+        let kinds = [
+            "attend_split",
+            "attend_merge",
+            "geglu_down",
+            "geglu_down_norm",
+            "matvec_norm",
+        ];
         std::array::from_fn(|i| {
             let tag = hex(&Sha256::digest(bytes[i])[..8]);
             format!("kvsnap_{}_{tag}.spv", kinds[i])
         })
     });
-    let [split, merge, add_norm, geglu_down] = std::array::from_fn(|i| LinkedObject {
-        name: &names[i],
-        bytes: bytes[i],
-    });
+    let [split, merge, geglu_down, geglu_down_norm, matvec_norm] =
+        std::array::from_fn(|i| LinkedObject {
+            name: &names[i],
+            bytes: bytes[i],
+        });
     Some(SpirvKernels {
         split,
         merge,
-        add_norm,
         geglu_down,
+        geglu_down_norm,
+        matvec_norm,
     })
 }
 

@@ -1337,10 +1337,12 @@ fn vulkan_attends_few_query_rows_in_blocks_of_keys() {
 /// rows of a sliding layer's ring rows seen and of a global layer's span, which also norms
 /// and rotates the step's heads and stores its K and V rows in the layer's buffers (its
 /// in-place results), then the merge; no scores tensor of one query row, no rotated heads in
-/// the graph (RoPE's `reverse`), and the only scatter a step's is the ring's positions'. Each
-/// residual and the norm after it are one dispatch of the third kernel, but for the last
-/// layer's (the head's final norm follows); the MLP's GeGLU and down product one of the
-/// fourth. Chunks keep IREE's code.
+/// the graph (RoPE's `reverse`), and the only scatter a step's is the ring's positions'. The
+/// attention's output projection, residual and the norm after it are one dispatch of
+/// `matvec_norm`; the MLP's GeGLU, down product, residual and the next layer's norm one of
+/// `geglu_down_norm`, but for the last layer's (the head's final norm follows: `geglu_down`,
+/// then IREE's norm). Those two count their workgroups on the module's counters (a global,
+/// loaded before and stored after each dispatch, in place). Chunks keep IREE's code.
 #[test]
 fn vulkan_decode_steps_run_the_spirv_kernels() {
     use kvsnap_iree::kernels::{SpirvKernels, SPIRV_SPLIT_ROWS};
@@ -1350,8 +1352,9 @@ fn vulkan_decode_steps_run_the_spirv_kernels() {
     let kernels = SpirvKernels {
         split: object("test_split.spv"),
         merge: object("test_merge.spv"),
-        add_norm: object("test_add_norm.spv"),
         geglu_down: object("test_geglu_down.spv"),
+        geglu_down_norm: object("test_geglu_down_norm.spv"),
+        matvec_norm: object("test_matvec_norm.spv"),
     };
     let opts = GraphOptions {
         spirv_kernels: Some(kernels),
@@ -1361,10 +1364,20 @@ fn vulkan_decode_steps_run_the_spirv_kernels() {
     let all = [
         kernels.split,
         kernels.merge,
-        kernels.add_norm,
         kernels.geglu_down,
+        kernels.geglu_down_norm,
+        kernels.matvec_norm,
     ];
     assert_eq!(g.objects, all);
+    let counters = "@kvsnap_counters";
+    assert_eq!(
+        g.mlir
+            .matches(&format!(
+                "util.global private mutable {counters} = dense<0> : tensor<1xi32>"
+            ))
+            .count(),
+        1
+    );
     let (layers, capacity) = (cfg.num_layers(), cfg.context_capacity);
     let ring = g.manifest.ring;
     assert_eq!(SPIRV_SPLIT_ROWS, 16);
@@ -1401,20 +1414,59 @@ fn vulkan_decode_steps_run_the_spirv_kernels() {
         let span = (e.span < capacity).then_some(e.span);
         let sliding = ring.rows_seen(1, span);
         let global = e.span;
-        assert_eq!(externs, (5 * layers - 1) * e.steps, "{}", e.name);
+        assert_eq!(externs, 4 * layers * e.steps, "{}", e.name);
         let (h, ffn) = (cfg.hidden_size, cfg.intermediate_size);
         let hidden = format!("tensor<1x{h}xf32>");
         let norm = format!("tensor<{h}xf32>");
-        let add_norm =
-            format!("(i32, i32, {hidden}, {hidden}, {norm}, {norm}) -> ({hidden}, {hidden})\n");
-        let add_norms = body.matches(&add_norm).count();
-        assert_eq!(add_norms, (2 * layers - 1) * e.steps, "{}: norms", e.name);
-        let geglu = format!(
-            "(i32, i32, tensor<1x{}xf32>, tensor<{h}x{ffn}xf32>) -> (tensor<1x{h}xf32>)\n",
-            2 * ffn
+        let results = format!("{hidden}, {hidden}, {hidden}");
+        let heads = cfg.num_attention_heads * cfg.head_dim;
+        let output = format!(
+            "(i32, i32, i32, tensor<1x{heads}xf32>, tensor<{h}x{heads}xf32>, {hidden}, {norm}, \
+             {norm}, tensor<1xi32>)"
         );
+        let projections = in_place_externs(body, &output, &results, 1);
+        assert_eq!(projections, layers * e.steps, "{}: o and norms", e.name);
+        assert_eq!(
+            body.matches(r#"path = "test_matvec_norm.spv""#).count(),
+            projections
+        );
+        let (gate_up, down) = (
+            format!("tensor<1x{}xf32>", 2 * ffn),
+            format!("tensor<{h}x{ffn}xf32>"),
+        );
+        let geglu = format!("(i32, i32, {gate_up}, {down}) -> ({hidden})\n");
         let geglus = body.matches(&geglu).count();
-        assert_eq!(geglus, layers * e.steps, "{}: GeGLU and down", e.name);
+        assert_eq!(
+            geglus, e.steps,
+            "{}: the last layer's GeGLU and down",
+            e.name
+        );
+        let with_norm =
+            format!("(i32, i32, i32, {gate_up}, {down}, {hidden}, {norm}, {norm}, tensor<1xi32>)");
+        let fused = in_place_externs(body, &with_norm, &results, 1);
+        assert_eq!(
+            fused,
+            (layers - 1) * e.steps,
+            "{}: GeGLU, down and norms",
+            e.name
+        );
+        assert_eq!(
+            body.matches(r#"path = "test_geglu_down_norm.spv""#).count(),
+            fused
+        );
+        let loads = body
+            .matches(&format!("util.global.load {counters} :"))
+            .count();
+        let stores = body
+            .matches(&format!(", {counters} : tensor<1xi32>"))
+            .count();
+        let counted = projections + fused;
+        assert_eq!(
+            (loads, stores),
+            (counted, counted),
+            "{}: the counters",
+            e.name
+        );
         for (rows, buf, n) in [
             (sliding, ring.rows, layers - globals),
             (global, capacity, globals),

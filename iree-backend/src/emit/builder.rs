@@ -1023,6 +1023,25 @@ impl FuncBuilder {
         outs
     }
 
+    /// Emits `util.global.load`: the value of the module's mutable global `@name`
+    /// ([`crate::emit::Module::push_global`]), of type `ty`.
+    pub fn global_load(&mut self, name: &str, ty: &TensorType) -> Value {
+        let r = self.fresh(ty.clone());
+        writeln!(self.body, "    {r} = util.global.load @{name} : {ty}")
+            .expect("writing to a String");
+        r
+    }
+
+    /// Emits `util.global.store`: `value` becomes the module's mutable global `@name`.
+    pub fn global_store(&mut self, value: &Value, name: &str) {
+        writeln!(
+            self.body,
+            "    util.global.store {value}, @{name} : {}",
+            value.ty
+        )
+        .expect("writing to a String");
+    }
+
     // ---- indexing -----------------------------------------------------------------------
 
     fn check_starts(&self, op: &str, x: &Value, starts: &[&Value]) {

@@ -11,10 +11,11 @@ mod types;
 pub use builder::{Cmp, DotDims, FuncBuilder, OpenRegion, Reduction, Region};
 pub use types::{ElemType, Scalar, TensorType, Value};
 
-/// A `module @name { ... }` of executables and functions.
+/// A `module @name { ... }` of globals, executables and functions.
 #[derive(Debug, Default)]
 pub struct Module {
     name: String,
+    globals: Vec<String>,
     executables: Vec<String>,
     funcs: Vec<String>,
 }
@@ -24,9 +25,19 @@ impl Module {
     pub fn new(name: &str) -> Self {
         Module {
             name: name.to_string(),
+            globals: Vec::new(),
             executables: Vec::new(),
             funcs: Vec::new(),
         }
+    }
+
+    /// Declares the module's mutable global `@name` of type `ty`, all zeros when the module
+    /// loads, which functions read and write with [`FuncBuilder::global_load`] and
+    /// [`FuncBuilder::global_store`] (IREE keeps it in one device buffer, updated in place).
+    pub fn push_global(&mut self, name: &str, ty: &TensorType) {
+        self.globals.push(format!(
+            "  util.global private mutable @{name} = dense<0> : {ty}\n"
+        ));
     }
 
     /// Adds the text of an executable the functions dispatch to
@@ -43,7 +54,12 @@ impl Module {
     /// The module's MLIR text.
     pub fn text(&self) -> String {
         let mut out = format!("module @{} {{\n", self.name);
-        for text in self.executables.iter().chain(&self.funcs) {
+        for text in self
+            .globals
+            .iter()
+            .chain(&self.executables)
+            .chain(&self.funcs)
+        {
             out.push_str(text);
         }
         out.push_str("}\n");

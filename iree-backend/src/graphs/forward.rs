@@ -742,47 +742,113 @@ impl<'a> Forward<'a> {
         next_norm: Option<&Value>,
         (k_buf, v_buf): (&Value, &Value),
     ) -> (Value, Option<Value>, Value, Value) {
-        let (a, k_buf, v_buf) = self.attention(layer, w, ch, h, k_buf, v_buf);
+        let (o, k_buf, v_buf) = self.attention(layer, w, ch, h, k_buf, v_buf);
         let pre_ffn = &w.pre_feedforward_layernorm;
-        let (x, h) = self.residual(ch, (x, &a), &w.post_attention_layernorm, Some(pre_ffn));
-        let m = self.mlp(w, &h.expect("the MLP's normed input"));
-        let (x, h) = self.residual(ch, (&x, &m), &w.post_feedforward_layernorm, next_norm);
+        let post_attention = (&w.post_attention_layernorm, Some(pre_ffn));
+        let (x, h) = match self.spirv_residual_fits(ch, o.dims()[1]) {
+            Some(kernels) => {
+                let product = (kernels.matvec_norm.name, &w.o_proj, &o);
+                self.spirv_residual(product, x, (post_attention.0, pre_ffn))
+            }
+            None => {
+                let a = self.linear(&w.o_proj, &o, self.cfg.hidden_size);
+                self.residual((x, &a), post_attention)
+            }
+        };
+        let h = h.expect("the MLP's normed input");
+        let post_ffn = &w.post_feedforward_layernorm;
+        let ffn = self.cfg.intermediate_size;
+        let (x, h) = match (self.spirv_residual_fits(ch, ffn), next_norm) {
+            (Some(kernels), Some(next)) => {
+                let gu = self.linear(&w.gate_up_proj, &h, 2 * ffn);
+                let product = (kernels.geglu_down_norm.name, &w.down_proj, &gu);
+                self.spirv_residual(product, &x, (post_ffn, next))
+            }
+            _ => {
+                let m = self.mlp(w, &h);
+                self.residual((&x, &m), (post_ffn, next_norm))
+            }
+        };
         (x, h, k_buf, v_buf)
     }
 
-    /// `x + rms_norm(a, norm)` and, with `next`, that sum normed by `next`: in one dispatch
-    /// of kvsnap's SPIR-V kernel for the decode step's row ([`GraphOptions::spirv_kernels`],
-    /// hidden sizes up to [`kernels::SPIRV_MAX_HIDDEN`]), else as [`Forward::rms_norm`] and
-    /// an add.
+    /// `x + rms_norm(a, norm)` and, with `next`, that sum normed by `next`.
     fn residual(
         &mut self,
-        ch: &Chunk,
         (x, a): (&Value, &Value),
-        norm: &Value,
-        next: Option<&Value>,
+        (norm, next): (&Value, Option<&Value>),
     ) -> (Value, Option<Value>) {
-        let fits = ch.c == 1 && self.cfg.hidden_size <= kernels::SPIRV_MAX_HIDDEN;
-        let kernels = self.opts.spirv_kernels.filter(|_| fits);
-        if let (Some(kernels), Some(next)) = (kernels, next) {
-            let n = self.cfg.hidden_size as u32;
-            let eps = (self.cfg.rms_norm_eps as f32).to_bits();
-            let [sum, h]: [Value; 2] = self
-                .b
-                .dispatch_spirv(
-                    kernels.add_norm.name,
-                    [1, 1, 1],
-                    &[n, eps],
-                    (&[x, a, norm, next], &[]),
-                    &[x.ty.clone(), x.ty.clone()],
-                )
-                .try_into()
-                .expect("the sum and its norm");
-            return (sum, Some(h));
-        }
         let a = self.rms_norm(a, norm);
         let x = self.b.add(x, &a);
         let h = next.map(|w| self.rms_norm(&x, w));
         (x, h)
+    }
+
+    /// The SPIR-V kernels of a residual whose layer half ends in a product of `k`-long rows
+    /// ([`Forward::spirv_residual`]), with [`GraphOptions::spirv_kernels`]: the decode step's
+    /// row, the matrices in rows, `k` a multiple of 4 and hidden sizes up to
+    /// [`kernels::SPIRV_MAX_HIDDEN`].
+    fn spirv_residual_fits(&self, ch: &Chunk, k: usize) -> Option<SpirvKernels> {
+        let fits = ch.c == 1
+            && self.opts.layout == WeightLayout::Rows
+            && k.is_multiple_of(4)
+            && self.cfg.hidden_size <= kernels::SPIRV_MAX_HIDDEN;
+        self.opts.spirv_kernels.filter(|_| fits)
+    }
+
+    /// A layer half's last product, `a = m . v`, then `x + rms_norm(a, norm)` and that sum
+    /// normed by `next`, in one dispatch of the SPIR-V kernel `object` (`matvec_norm`, or
+    /// `geglu_down_norm` with `v` the gate/up product's row): a workgroup every
+    /// [`kernels::SPIRV_MATVEC_ROWS`] rows of `m`, the last to finish running the residual.
+    /// Returns the sum and its norm.
+    fn spirv_residual(
+        &mut self,
+        (object, m, v): (&str, &Value, &Value),
+        x: &Value,
+        (norm, next): (&Value, &Value),
+    ) -> (Value, Option<Value>) {
+        let [n, k] = [m.dims()[0], m.dims()[1]];
+        let eps = (self.cfg.rms_norm_eps as f32).to_bits();
+        let [_, sum, normed]: [Value; 3] = self
+            .counted_dispatch(
+                object,
+                [n.div_ceil(kernels::SPIRV_MATVEC_ROWS), 1, 1],
+                &[n as u32, k as u32, eps],
+                &[v, m, x, norm, next],
+                &[x.ty.clone(), x.ty.clone(), x.ty.clone()],
+            )
+            .try_into()
+            .expect("the product, the sum and its norm");
+        (sum, Some(normed))
+    }
+
+    /// [`FuncBuilder::dispatch_spirv`] of a kernel whose workgroups count themselves on the
+    /// module's counters ([`kernels::SPIRV_COUNTERS_GLOBAL`]): `args`, then the counters in
+    /// place, loaded from the global before and stored back after. Returns the results.
+    fn counted_dispatch(
+        &mut self,
+        object: &str,
+        groups: [usize; 3],
+        constants: &[u32],
+        args: &[&Value],
+        results: &[TensorType],
+    ) -> Vec<Value> {
+        let name = kernels::SPIRV_COUNTERS_GLOBAL;
+        let counters = self
+            .b
+            .global_load(name, &TensorType::i32(&[kernels::SPIRV_COUNTERS]));
+        let mut operands = args.to_vec();
+        operands.push(&counters);
+        let mut out = self.b.dispatch_spirv(
+            object,
+            groups,
+            constants,
+            (&operands, &[args.len()]),
+            results,
+        );
+        let counters = out.pop().expect("the counters, in place");
+        self.b.global_store(&counters, name);
+        out
     }
 
     /// The decoder layers over the chunk's rows `x`, each with its K and V buffers in `kv`
@@ -821,7 +887,7 @@ impl<'a> Forward<'a> {
         if let Some(kernels) = self.opts.spirv_kernels.filter(|_| fits) {
             let gu = self.linear(&w.gate_up_proj, x, 2 * ffn);
             let hidden = self.cfg.hidden_size;
-            let groups = hidden.div_ceil(kernels::SPIRV_DOWN_ROWS);
+            let groups = hidden.div_ceil(kernels::SPIRV_MATVEC_ROWS);
             let [y]: [Value; 1] = self
                 .b
                 .dispatch_spirv(
@@ -856,10 +922,11 @@ impl<'a> Forward<'a> {
     }
 
     /// Self-attention of the chunk: projections, q/k norms, RoPE, attention over the cache and
-    /// the chunk, then the chunk's K/V rows stored.
+    /// the chunk, then the chunk's K/V rows stored; the output projection is the caller's.
     ///
     /// # Shapes
-    /// `x`: `[C, hidden]` (normed); returns `[C, hidden]` and the updated buffers.
+    /// `x`: `[C, hidden]` (normed); returns the heads' outputs `[C, heads * hd]` and the
+    /// updated buffers.
     fn attention(
         &mut self,
         layer: usize,
@@ -937,7 +1004,7 @@ impl<'a> Forward<'a> {
         // [kvh, C, g, hd] -> [C, kvh, g, hd] -> [C, heads * hd]
         let o = self.b.transpose(&o, &[1, 0, 2, 3]);
         let o = self.b.reshape(&o, &[c, kvh * g * hd]);
-        (self.linear(&w.o_proj, &o, cfg.hidden_size), k_buf, v_buf)
+        (o, k_buf, v_buf)
     }
 
     /// The q, k and v stack's product (`outs` its parts' rows) as the query and key heads

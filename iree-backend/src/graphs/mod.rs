@@ -346,6 +346,12 @@ pub fn build(cfg: &ModelConfig, chunks: &[usize], opts: GraphOptions) -> Graphs 
     }
     // Each of its dispatches carries its own executable (`hal.dispatch.extern`).
     objects.extend(opts.spirv_kernels.iter().flat_map(|k| k.objects()));
+    if opts.spirv_kernels.is_some() {
+        module.push_global(
+            kernels::SPIRV_COUNTERS_GLOBAL,
+            &TensorType::i32(&[kernels::SPIRV_COUNTERS]),
+        );
+    }
     let mut entry_points = Vec::new();
     let largest = *chunks.last().unwrap();
     for &c in &chunks {
