@@ -17,11 +17,12 @@ use std::process::Command;
 const SOURCE: &str = "kernels/avx512.c";
 /// The shaders: each `(name, source, defines)` compiles `kernels/{source}.comp` with the
 /// preprocessor's `defines` to `OUT_DIR/{name}.spv`; and what they include.
-const SHADERS: [(&str, &str, &[&str]); 5] = [
+const SHADERS: [(&str, &str, &[&str]); 6] = [
     ("attend_split", "attend_split", &[]),
     ("attend_merge", "attend_merge", &[]),
     ("geglu_down", "matvec", &["GEGLU"]),
     ("geglu_down_norm", "matvec", &["GEGLU", "ADD_NORM"]),
+    ("matvec", "matvec", &[]),
     ("matvec_norm", "matvec", &["ADD_NORM"]),
 ];
 const SHADER_INCLUDES: [&str; 2] = ["kernels/exp.glsl", "kernels/add_norm.glsl"];

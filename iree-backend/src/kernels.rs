@@ -123,6 +123,9 @@ pub const SPIRV_COUNTERS: usize = 1;
 ///   down matrix (`[hidden, ffn]`, rows), with the push constants `hidden, ffn`, a workgroup
 ///   every [`SPIRV_MATVEC_ROWS`] rows, and returns `down . (gelu_tanh(gate) * up)` (`[1,
 ///   hidden]`);
+/// - `matvec` takes a row `v` (`[1, k]`) and a matrix `m` (`[n, k]`, rows), with the push
+///   constants `n, k`, a workgroup every [`SPIRV_MATVEC_ROWS`] rows, and returns `m . v`
+///   (`[1, n]`);
 /// - `matvec_norm` takes a row `v` (`[1, k]`), a matrix `m` (`[n, k]`, rows), a residual `x`
 ///   (`[1, n]`), two norms' weights (`[n]` each, the scale less one) and the counters
 ///   ([`SPIRV_COUNTERS_GLOBAL`], in place), with the push constants `n, k, eps bits`, a
@@ -141,38 +144,42 @@ pub struct SpirvKernels {
     pub geglu_down: LinkedObject,
     /// The MLP's GeGLU and down product, then the residual and the next norm.
     pub geglu_down_norm: LinkedObject,
+    /// A product (the q/k/v and gate/up projections).
+    pub matvec: LinkedObject,
     /// A product, then the residual and the next norm (the attention's output projection).
     pub matvec_norm: LinkedObject,
 }
 
 impl SpirvKernels {
     /// The objects, each dispatch's executable.
-    pub fn objects(&self) -> [LinkedObject; 5] {
+    pub fn objects(&self) -> [LinkedObject; 6] {
         [
             self.split,
             self.merge,
             self.geglu_down,
             self.geglu_down_norm,
+            self.matvec,
             self.matvec_norm,
         ]
     }
 }
 
 #[cfg(kvsnap_spirv_kernels)]
-const SPIRV: Option<[&[u8]; 5]> = Some([
+const SPIRV: Option<[&[u8]; 6]> = Some([
     include_bytes!(concat!(env!("OUT_DIR"), "/attend_split.spv")),
     include_bytes!(concat!(env!("OUT_DIR"), "/attend_merge.spv")),
     include_bytes!(concat!(env!("OUT_DIR"), "/geglu_down.spv")),
     include_bytes!(concat!(env!("OUT_DIR"), "/geglu_down_norm.spv")),
+    include_bytes!(concat!(env!("OUT_DIR"), "/matvec.spv")),
     include_bytes!(concat!(env!("OUT_DIR"), "/matvec_norm.spv")),
 ]);
 #[cfg(not(kvsnap_spirv_kernels))]
-const SPIRV: Option<[&[u8]; 5]> = None;
+const SPIRV: Option<[&[u8]; 6]> = None;
 
 /// The Vulkan decode step's kernels, when this build compiled them, each named by its
 /// content.
 pub fn spirv_kernels() -> Option<SpirvKernels> {
-    static NAMES: OnceLock<[String; 5]> = OnceLock::new();
+    static NAMES: OnceLock<[String; 6]> = OnceLock::new();
     let bytes = SPIRV?;
     let names = NAMES.get_or_init(|| {
         let kinds = [
@@ -180,6 +187,7 @@ pub fn spirv_kernels() -> Option<SpirvKernels> {
             "attend_merge",
             "geglu_down",
             "geglu_down_norm",
+            "matvec",
             "matvec_norm",
         ];
         std::array::from_fn(|i| {
@@ -187,7 +195,7 @@ pub fn spirv_kernels() -> Option<SpirvKernels> {
             format!("kvsnap_{}_{tag}.spv", kinds[i])
         })
     });
-    let [split, merge, geglu_down, geglu_down_norm, matvec_norm] =
+    let [split, merge, geglu_down, geglu_down_norm, matvec, matvec_norm] =
         std::array::from_fn(|i| LinkedObject {
             name: &names[i],
             bytes: bytes[i],
@@ -197,6 +205,7 @@ pub fn spirv_kernels() -> Option<SpirvKernels> {
         merge,
         geglu_down,
         geglu_down_norm,
+        matvec,
         matvec_norm,
     })
 }

@@ -1342,7 +1342,8 @@ fn vulkan_attends_few_query_rows_in_blocks_of_keys() {
 /// `matvec_norm`; the MLP's GeGLU, down product, residual and the next layer's norm one of
 /// `geglu_down_norm`, but for the last layer's (the head's final norm follows: `geglu_down`,
 /// then IREE's norm). Those two count their workgroups on the module's counters (a global,
-/// loaded before and stored after each dispatch, in place). Chunks keep IREE's code.
+/// loaded before and stored after each dispatch, in place). The q/k/v and gate/up products
+/// are one dispatch each of `matvec`, no `dot_general`. Chunks keep IREE's code.
 #[test]
 fn vulkan_decode_steps_run_the_spirv_kernels() {
     use kvsnap_iree::kernels::{SpirvKernels, SPIRV_SPLIT_ROWS};
@@ -1354,6 +1355,7 @@ fn vulkan_decode_steps_run_the_spirv_kernels() {
         merge: object("test_merge.spv"),
         geglu_down: object("test_geglu_down.spv"),
         geglu_down_norm: object("test_geglu_down_norm.spv"),
+        matvec: object("test_matvec.spv"),
         matvec_norm: object("test_matvec_norm.spv"),
     };
     let opts = GraphOptions {
@@ -1366,6 +1368,7 @@ fn vulkan_decode_steps_run_the_spirv_kernels() {
         kernels.merge,
         kernels.geglu_down,
         kernels.geglu_down_norm,
+        kernels.matvec,
         kernels.matvec_norm,
     ];
     assert_eq!(g.objects, all);
@@ -1414,8 +1417,34 @@ fn vulkan_decode_steps_run_the_spirv_kernels() {
         let span = (e.span < capacity).then_some(e.span);
         let sliding = ring.rows_seen(1, span);
         let global = e.span;
-        assert_eq!(externs, 4 * layers * e.steps, "{}", e.name);
+        assert_eq!(externs, 6 * layers * e.steps, "{}", e.name);
         let (h, ffn) = (cfg.hidden_size, cfg.intermediate_size);
+        let qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim;
+        for (rows, what) in [(qkv, "q/k/v"), (2 * ffn, "gate/up")] {
+            let product = format!(
+                "(i32, i32, tensor<1x{h}xf32>, tensor<{rows}x{h}xf32>) -> (tensor<1x{rows}xf32>)\n"
+            );
+            assert_eq!(
+                body.matches(&product).count(),
+                layers * e.steps,
+                "{}: {what}",
+                e.name
+            );
+        }
+        assert_eq!(
+            body.matches(r#"path = "test_matvec.spv""#).count(),
+            2 * layers * e.steps
+        );
+        let iree_products = body
+            .lines()
+            .filter(|l| l.contains("stablehlo.dot_general"))
+            .filter(|l| {
+                [qkv, 2 * ffn]
+                    .iter()
+                    .any(|r| l.contains(&format!("tensor<{r}x{h}xf32>")))
+            })
+            .count();
+        assert_eq!(iree_products, 0, "{}: IREE's products", e.name);
         let hidden = format!("tensor<1x{h}xf32>");
         let norm = format!("tensor<{h}xf32>");
         let results = format!("{hidden}, {hidden}, {hidden}");

@@ -860,7 +860,7 @@ fn stacked_projections_with_partial_panels_match_the_reference() {
         };
         let (linked, objects) = match target {
             Target::LlvmCpu => (kvsnap_iree::kernels::kernel_object().is_some(), 1),
-            Target::VulkanSpirv => (kvsnap_iree::kernels::spirv_kernels().is_some(), 5),
+            Target::VulkanSpirv => (kvsnap_iree::kernels::spirv_kernels().is_some(), 6),
         };
         let linked = own_kernels && linked;
         assert_eq!(

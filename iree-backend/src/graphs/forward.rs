@@ -240,7 +240,8 @@ impl<'a> Forward<'a> {
     ///
     /// - `Rows`: one product over the stack, `transpose(W . x^T)` with the weight as the left
     ///   operand of `dot_general`, which IREE compiles without transposing the weight per
-    ///   call (see IREE-NOTES).
+    ///   call (see IREE-NOTES); the decode step's row on Vulkan in kvsnap's `matvec` kernel
+    ///   where it takes it ([`Forward::spirv_matvec`]).
     /// - `Panels`: the decode step's row as one [`Forward::panel_matvec`] over the stack; a
     ///   chunk of rows as one [`Forward::panel_matmul`] per part, over its panels (a slice of
     ///   the argument, which IREE reads in place). One `mmt4d` over the stack would need its
@@ -285,10 +286,13 @@ impl<'a> Forward<'a> {
             });
         }
         let y = match self.opts.layout {
-            WeightLayout::Rows => {
-                let t = self.b.dot_general(w, x, &DotDims::contract(1, 1)); // [rows, C]
-                self.b.transpose(&t, &[1, 0])
-            }
+            WeightLayout::Rows => match self.spirv_matvec_fits(c, w.dims()[1]) {
+                Some(kernels) => self.spirv_matvec(kernels, w, x),
+                None => {
+                    let t = self.b.dot_general(w, x, &DotDims::contract(1, 1)); // [rows, C]
+                    self.b.transpose(&t, &[1, 0])
+                }
+            },
             WeightLayout::Panels if object => self.object_matmul(w, x),
             WeightLayout::Panels => {
                 let v = self.b.reshape(x, &[x.dims()[1]]);
@@ -784,16 +788,39 @@ impl<'a> Forward<'a> {
         (x, h)
     }
 
+    /// The SPIR-V kernels of a product of `k`-long rows by a chunk of `c` rows
+    /// ([`Forward::spirv_matvec`]), with [`GraphOptions::spirv_kernels`]: the decode step's
+    /// row, the matrices in rows and `k` a multiple of 4.
+    fn spirv_matvec_fits(&self, c: usize, k: usize) -> Option<SpirvKernels> {
+        let fits = c == 1 && self.opts.layout == WeightLayout::Rows && k.is_multiple_of(4);
+        self.opts.spirv_kernels.filter(|_| fits)
+    }
+
     /// The SPIR-V kernels of a residual whose layer half ends in a product of `k`-long rows
-    /// ([`Forward::spirv_residual`]), with [`GraphOptions::spirv_kernels`]: the decode step's
-    /// row, the matrices in rows, `k` a multiple of 4 and hidden sizes up to
+    /// ([`Forward::spirv_residual`]): [`Forward::spirv_matvec_fits`], and hidden sizes up to
     /// [`kernels::SPIRV_MAX_HIDDEN`].
     fn spirv_residual_fits(&self, ch: &Chunk, k: usize) -> Option<SpirvKernels> {
-        let fits = ch.c == 1
-            && self.opts.layout == WeightLayout::Rows
-            && k.is_multiple_of(4)
-            && self.cfg.hidden_size <= kernels::SPIRV_MAX_HIDDEN;
-        self.opts.spirv_kernels.filter(|_| fits)
+        let fits = self.cfg.hidden_size <= kernels::SPIRV_MAX_HIDDEN;
+        self.spirv_matvec_fits(ch.c, k).filter(|_| fits)
+    }
+
+    /// `m . v` for a matrix `m` in rows (`[n, k]`) and one row `v` (`[1, k]`), in one
+    /// dispatch of kvsnap's SPIR-V `matvec` kernel: a workgroup every
+    /// [`kernels::SPIRV_MATVEC_ROWS`] rows, `vec4` loads. `[1, n]`.
+    fn spirv_matvec(&mut self, kernels: SpirvKernels, m: &Value, v: &Value) -> Value {
+        let [n, k] = [m.dims()[0], m.dims()[1]];
+        let [y]: [Value; 1] = self
+            .b
+            .dispatch_spirv(
+                kernels.matvec.name,
+                [n.div_ceil(kernels::SPIRV_MATVEC_ROWS), 1, 1],
+                &[n as u32, k as u32],
+                (&[v, m], &[]),
+                &[TensorType::f32(&[1, n])],
+            )
+            .try_into()
+            .expect("one result");
+        y
     }
 
     /// A layer half's last product, `a = m . v`, then `x + rms_norm(a, norm)` and that sum
