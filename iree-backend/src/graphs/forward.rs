@@ -909,9 +909,7 @@ impl<'a> Forward<'a> {
     /// multiple of 4).
     fn mlp(&mut self, w: &LayerWeights, x: &Value) -> Value {
         let ffn = self.cfg.intermediate_size;
-        let fits =
-            x.dims()[0] == 1 && self.opts.layout == WeightLayout::Rows && ffn.is_multiple_of(4);
-        if let Some(kernels) = self.opts.spirv_kernels.filter(|_| fits) {
+        if let Some(kernels) = self.spirv_matvec_fits(x.dims()[0], ffn) {
             let gu = self.linear(&w.gate_up_proj, x, 2 * ffn);
             let hidden = self.cfg.hidden_size;
             let groups = hidden.div_ceil(kernels::SPIRV_MATVEC_ROWS);
