@@ -4,8 +4,8 @@
 //!   scores and candidate rows, the decode step's and the chunks' attention) into the object
 //!   that llvm-cpu modules link on hosts with AVX-512. Only for x86-64 targets, with the C
 //!   compiler `cc` finds (gcc or clang);
-//! - the decode step's attention, residual norms and GeGLU for Vulkan (`kernels/*.comp`,
-//!   GLSL) into the SPIR-V that Vulkan modules dispatch, with `glslangValidator` (Debian's
+//! - the decode step's products, attention, residual norms and GeGLU for Vulkan
+//!   (`kernels/*.comp`, GLSL) into the SPIR-V that Vulkan modules dispatch, with `glslangValidator` (Debian's
 //!   `glslang-tools`; `$GLSLANG_VALIDATOR` names another).
 //!
 //! Where a compiler is missing or fails, a warning says so and the modules keep IREE's own
@@ -106,7 +106,9 @@ fn shaders() {
             ),
             Err(e) => format!("no {tool} for {source} ({e}; apt-get install glslang-tools)"),
         };
-        println!("cargo::warning={why}; Vulkan modules use IREE's own code for the decode step's attention, norms and GeGLU");
+        println!(
+            "cargo::warning={why}; Vulkan modules use IREE's own code for the decode step's layers"
+        );
         return;
     }
     println!("cargo::rustc-cfg=kvsnap_spirv_kernels");

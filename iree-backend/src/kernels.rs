@@ -28,10 +28,11 @@
 //! `kernels/*.comp`, GLSL compiled by the build script): its attention in two dispatches a
 //! layer (`attend_split.comp`, `attend_merge.comp`), where IREE's code took nine (the heads'
 //! norms and RoPE, the K and V rows' writes, the scores, their maximum and sum, the weighted
-//! values in blocks and the blocks' sum); the attention's output projection with its residual
-//! and the next norm in one, and the MLP's GeGLU and down product with theirs in one
-//! (`matvec.comp`, whose last workgroup runs the residual), where IREE's took three and
-//! four. Each dispatch is a drain of the queue before the next.
+//! values in blocks and the blocks' sum); the q/k/v and gate/up products, and the
+//! attention's output projection with its residual and the next norm in one dispatch, the
+//! MLP's GeGLU and down product with theirs in one (`matvec.comp`, whose last workgroup runs
+//! the residual), where IREE's took three and four. Each dispatch is a drain of the queue
+//! before the next.
 
 use std::sync::OnceLock;
 

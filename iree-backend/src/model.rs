@@ -51,8 +51,8 @@ pub struct IreeOptions {
     pub input: Option<Input>,
     /// Link kvsnap's own kernels into the module where this build and host have them
     /// ([`crate::kernels`]: on llvm-cpu the chunks' panel products, the head's screen and the
-    /// attention on AVX-512; on Vulkan the decode step's attention, norms and GeGLU in
-    /// SPIR-V); `false` keeps IREE's code for everything.
+    /// attention on AVX-512; on Vulkan the decode step's products, attention, norms and GeGLU
+    /// in SPIR-V); `false` keeps IREE's code for everything.
     pub own_kernels: bool,
 }
 
@@ -311,13 +311,19 @@ impl IreeModel {
     /// and kernels are those the module was exported with ([`crate::module::load_options`]).
     pub fn load(dir: &Path, opts: &IreeOptions) -> Result<Self> {
         let opts = crate::module::load_options(opts, opts.capacity)?;
-        Self::load_config(dir, ModelConfig::from_dir(dir, opts.capacity)?, &opts)
+        Self::load_resolved(dir, ModelConfig::from_dir(dir, opts.capacity)?, &opts)
     }
 
     /// Like [`IreeModel::load`] with an already parsed config (whose capacity a module of
     /// [`IreeOptions::module_dir`] must have been exported with).
     pub fn load_config(dir: &Path, cfg: ModelConfig, opts: &IreeOptions) -> Result<Self> {
-        let opts = &crate::module::load_options(opts, Some(cfg.context_capacity))?;
+        let opts = crate::module::load_options(opts, Some(cfg.context_capacity))?;
+        Self::load_resolved(dir, cfg, &opts)
+    }
+
+    /// [`IreeModel::load_config`] with `opts` already as [`crate::module::load_options`]
+    /// gives them.
+    fn load_resolved(dir: &Path, cfg: ModelConfig, opts: &IreeOptions) -> Result<Self> {
         let g = model_graphs(&cfg, opts);
 
         // The device first: a machine without one fails fast, before a long compile. Devices and

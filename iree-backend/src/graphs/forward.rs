@@ -287,7 +287,7 @@ impl<'a> Forward<'a> {
         }
         let y = match self.opts.layout {
             WeightLayout::Rows => match self.spirv_matvec_fits(c, w.dims()[1]) {
-                Some(kernels) => self.spirv_matvec(kernels, w, x),
+                Some(kernels) => self.spirv_matvec(kernels.matvec.name, w, x),
                 None => {
                     let t = self.b.dot_general(w, x, &DotDims::contract(1, 1)); // [rows, C]
                     self.b.transpose(&t, &[1, 0])
@@ -747,16 +747,15 @@ impl<'a> Forward<'a> {
         (k_buf, v_buf): (&Value, &Value),
     ) -> (Value, Option<Value>, Value, Value) {
         let (o, k_buf, v_buf) = self.attention(layer, w, ch, h, k_buf, v_buf);
-        let pre_ffn = &w.pre_feedforward_layernorm;
-        let post_attention = (&w.post_attention_layernorm, Some(pre_ffn));
+        let (post_attention, pre_ffn) = (&w.post_attention_layernorm, &w.pre_feedforward_layernorm);
         let (x, h) = match self.spirv_residual_fits(ch, o.dims()[1]) {
             Some(kernels) => {
                 let product = (kernels.matvec_norm.name, &w.o_proj, &o);
-                self.spirv_residual(product, x, (post_attention.0, pre_ffn))
+                self.spirv_residual(product, x, (post_attention, pre_ffn))
             }
             None => {
                 let a = self.linear(&w.o_proj, &o, self.cfg.hidden_size);
-                self.residual((x, &a), post_attention)
+                self.residual((x, &a), (post_attention, Some(pre_ffn)))
             }
         };
         let h = h.expect("the MLP's normed input");
@@ -805,14 +804,15 @@ impl<'a> Forward<'a> {
     }
 
     /// `m . v` for a matrix `m` in rows (`[n, k]`) and one row `v` (`[1, k]`), in one
-    /// dispatch of kvsnap's SPIR-V `matvec` kernel: a workgroup every
-    /// [`kernels::SPIRV_MATVEC_ROWS`] rows, `vec4` loads. `[1, n]`.
-    fn spirv_matvec(&mut self, kernels: SpirvKernels, m: &Value, v: &Value) -> Value {
+    /// dispatch of the SPIR-V kernel `object` (`matvec`, or `geglu_down` with `v` the gate/up
+    /// product's row, `[1, 2 * k]`): a workgroup every [`kernels::SPIRV_MATVEC_ROWS`] rows,
+    /// `vec4` loads. `[1, n]`.
+    fn spirv_matvec(&mut self, object: &str, m: &Value, v: &Value) -> Value {
         let [n, k] = [m.dims()[0], m.dims()[1]];
         let [y]: [Value; 1] = self
             .b
             .dispatch_spirv(
-                kernels.matvec.name,
+                object,
                 [n.div_ceil(kernels::SPIRV_MATVEC_ROWS), 1, 1],
                 &[n as u32, k as u32],
                 (&[v, m], &[]),
@@ -911,20 +911,7 @@ impl<'a> Forward<'a> {
         let ffn = self.cfg.intermediate_size;
         if let Some(kernels) = self.spirv_matvec_fits(x.dims()[0], ffn) {
             let gu = self.linear(&w.gate_up_proj, x, 2 * ffn);
-            let hidden = self.cfg.hidden_size;
-            let groups = hidden.div_ceil(kernels::SPIRV_MATVEC_ROWS);
-            let [y]: [Value; 1] = self
-                .b
-                .dispatch_spirv(
-                    kernels.geglu_down.name,
-                    [groups, 1, 1],
-                    &[hidden as u32, ffn as u32],
-                    (&[&gu, &w.down_proj], &[]),
-                    &[TensorType::f32(&[1, hidden])],
-                )
-                .try_into()
-                .expect("one result");
-            return y;
+            return self.spirv_matvec(kernels.geglu_down.name, &w.down_proj, &gu);
         }
         let [g, u] = self.linear_stack(&w.gate_up_proj, x, [ffn, ffn]);
         let dims = g.dims().to_vec();

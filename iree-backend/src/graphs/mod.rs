@@ -175,9 +175,9 @@ pub struct GraphOptions {
     /// decode step's attention in kvsnap's kernels, this object linked into the module,
     /// instead of IREE's code ([`kernels`]). Requires [`WeightLayout::Panels`].
     pub own_kernels: Option<LinkedObject>,
-    /// Run the decode step's attention (with its q/k norms, RoPE and K/V row writes), its
-    /// residual norms and its GeGLU with the down product in kvsnap's SPIR-V kernels
-    /// ([`SpirvKernels`]), eight dispatches a layer, instead of IREE's code (eighteen). For
+    /// Run the decode step's layers in kvsnap's SPIR-V kernels ([`SpirvKernels`]): the
+    /// products, the attention (with its q/k norms, RoPE and K/V row writes), the GeGLU and
+    /// the residual norms, six dispatches a layer, instead of IREE's code (eighteen). For
     /// Vulkan modules, where this build compiled the kernels ([`kernels::spirv_kernels`]).
     pub spirv_kernels: Option<SpirvKernels>,
     /// Where the chunk has few query rows, take the scores with the keys as the product's
