@@ -4,9 +4,9 @@
 //!   scores and candidate rows, the decode step's and the chunks' attention) into the object
 //!   that llvm-cpu modules link on hosts with AVX-512. Only for x86-64 targets, with the C
 //!   compiler `cc` finds (gcc or clang);
-//! - the decode step's products, attention, residual norms and GeGLU for Vulkan
-//!   (`kernels/*.comp`, GLSL) into the SPIR-V that Vulkan modules dispatch, with `glslangValidator` (Debian's
-//!   `glslang-tools`; `$GLSLANG_VALIDATOR` names another).
+//! - the decode step's embedding norm, products, attention, residual norms, GeGLU and head
+//!   for Vulkan (`kernels/*.comp`, GLSL) into the SPIR-V that Vulkan modules dispatch, with
+//!   `glslangValidator` (Debian's `glslang-tools`; `$GLSLANG_VALIDATOR` names another).
 //!
 //! Where a compiler is missing or fails, a warning says so and the modules keep IREE's own
 //! code for that work.
@@ -17,15 +17,21 @@ use std::process::Command;
 const SOURCE: &str = "kernels/avx512.c";
 /// The shaders: each `(name, source, defines)` compiles `kernels/{source}.comp` with the
 /// preprocessor's `defines` to `OUT_DIR/{name}.spv`; and what they include.
-const SHADERS: [(&str, &str, &[&str]); 6] = [
+const SHADERS: [(&str, &str, &[&str]); 8] = [
     ("attend_split", "attend_split", &[]),
     ("attend_merge", "attend_merge", &[]),
     ("geglu_down", "matvec", &["GEGLU"]),
     ("geglu_down_norm", "matvec", &["GEGLU", "ADD_NORM"]),
     ("matvec", "matvec", &[]),
     ("matvec_norm", "matvec", &["ADD_NORM"]),
+    ("embed_norm", "embed_norm", &[]),
+    ("head", "matvec", &["ARGMAX"]),
 ];
-const SHADER_INCLUDES: [&str; 2] = ["kernels/exp.glsl", "kernels/add_norm.glsl"];
+const SHADER_INCLUDES: [&str; 3] = [
+    "kernels/exp.glsl",
+    "kernels/norm.glsl",
+    "kernels/add_norm.glsl",
+];
 
 fn main() {
     shaders();

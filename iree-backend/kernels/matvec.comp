@@ -16,12 +16,21 @@
 // attention's output projection and the MLP's down product each end in their residual and
 // the next norm this way, one dispatch where the residual took its own.
 //
-// The variants (build.rs): geglu_down (GEGLU), geglu_down_norm (GEGLU, ADD_NORM) and
-// matvec_norm (ADD_NORM).
+// With ARGMAX, `m` is the tied head's table and `v` the final norm's row: y the logits, and
+// the greedy token too, as the graph's argmax (NaN never wins, the lowest id on a tie). Each
+// workgroup keeps its rows' best in `best_v` and `best_i`, and the last to finish (its ticket
+// as ADD_NORM's) takes the best of those into `next`.
+//
+// The variants (build.rs): geglu_down (GEGLU), geglu_down_norm (GEGLU, ADD_NORM),
+// matvec_norm (ADD_NORM) and head (ARGMAX).
 #extension GL_GOOGLE_include_directive : require
 
 #define THREADS 128
+#ifdef ARGMAX
+#define ROWS 8
+#else
 #define ROWS 4
+#endif
 #define UNROLL 4
 
 layout(local_size_x = THREADS) in;
@@ -40,6 +49,12 @@ layout(set = 0, binding = 5) coherent buffer Counter { uint count[]; };
 layout(set = 0, binding = 6) coherent buffer Out { float a[]; };      // [n]: y
 layout(set = 0, binding = 7) writeonly buffer Sum { float sum[]; };    // [n]
 layout(set = 0, binding = 8) writeonly buffer Normed { float h[]; };   // [n]
+#elif defined(ARGMAX)
+layout(set = 0, binding = 2) coherent buffer Counter { uint count[]; };
+layout(set = 0, binding = 3) writeonly buffer Out { float a[]; };     // [n]: y
+layout(set = 0, binding = 4) coherent buffer BestValue { float best_v[]; };  // [groups]
+layout(set = 0, binding = 5) coherent buffer BestIndex { uint best_i[]; };   // [groups]
+layout(set = 0, binding = 6) writeonly buffer Next { uint next[]; };         // [1]
 #else
 layout(set = 0, binding = 2) writeonly buffer Out { float a[]; };     // [n]: y
 #endif
@@ -56,7 +71,53 @@ shared float partial[ROWS][THREADS];
 
 #ifdef ADD_NORM
 #include "add_norm.glsl"
+#endif
+#if defined(ADD_NORM) || defined(ARGMAX)
 shared bool last;
+
+// Whether this workgroup is the last to finish: each makes its writes visible and draws a
+// ticket from `count[0]`.
+bool last_to_finish() {
+  memoryBarrierBuffer();
+  barrier();
+  if (gl_LocalInvocationID.x == 0)
+    last = atomicAdd(count[0], 1u) == gl_NumWorkGroups.x - 1;
+  barrier();
+  return last;
+}
+#endif
+#ifdef ARGMAX
+#define NEG_INF uintBitsToFloat(0xff800000u)
+shared uint share_i[THREADS];
+
+// Whether the logit (w, j) beats (v, i): higher, or as high at a lower id.
+bool beats(float w, uint j, float v, uint i) {
+  return w > v || (w == v && j < i);
+}
+
+// The workgroups' best into next[0], the best of each thread's, then by a tree.
+void argmax_of_groups() {
+  const uint t = gl_LocalInvocationID.x;
+  float v = NEG_INF;
+  uint i = 0xffffffffu;
+  for (uint g = t; g < gl_NumWorkGroups.x; g += THREADS)
+    if (beats(best_v[g], best_i[g], v, i)) {
+      v = best_v[g];
+      i = best_i[g];
+    }
+  partial[0][t] = v;
+  share_i[t] = i;
+  barrier();
+  for (uint width = THREADS / 2; width > 0; width /= 2) {
+    if (t < width && beats(partial[0][t + width], share_i[t + width], partial[0][t], share_i[t])) {
+      partial[0][t] = partial[0][t + width];
+      share_i[t] = share_i[t + width];
+    }
+    barrier();
+  }
+  if (t == 0)
+    next[0] = share_i[0];
+}
 #endif
 
 #ifdef GEGLU
@@ -120,15 +181,31 @@ void main() {
   }
   if (t < ROWS && row0 + t < pc.n)
     a[row0 + t] = partial[t][0];
-#ifdef ADD_NORM
-  memoryBarrierBuffer();
+#ifdef ARGMAX
+  if (t == 0) {
+    // NaN counts as -inf; the rows in order, so the lowest id keeps a tie.
+    float v = NEG_INF;
+    uint i = row0;
+    for (uint r = 0; r < ROWS && row0 + r < pc.n; ++r) {
+      const float y = isnan(partial[r][0]) ? NEG_INF : partial[r][0];
+      if (y > v) {
+        v = y;
+        i = row0 + r;
+      }
+    }
+    best_v[gl_WorkGroupID.x] = v;
+    best_i[gl_WorkGroupID.x] = i;
+  }
   barrier();
-  if (t == 0)
-    last = atomicAdd(count[0], 1u) == gl_NumWorkGroups.x - 1;
-  barrier();
-  if (last) {
+#endif
+#if defined(ADD_NORM) || defined(ARGMAX)
+  if (last_to_finish()) {
     memoryBarrierBuffer();
+#ifdef ADD_NORM
     add_norm(pc.n, uintBitsToFloat(pc.eps_bits));
+#else
+    argmax_of_groups();
+#endif
     if (t == 0)
       count[0] = 0u;
   }

@@ -31,8 +31,10 @@
 //! values in blocks and the blocks' sum); the q/k/v and gate/up products, and the
 //! attention's output projection with its residual and the next norm in one dispatch, the
 //! MLP's GeGLU and down product with theirs in one (`matvec.comp`, whose last workgroup runs
-//! the residual), where IREE's took three and four. Each dispatch is a drain of the queue
-//! before the next.
+//! the residual), where IREE's took three and four; the embedding's scale and first norm in
+//! one (`embed_norm.comp`), and the tied head with its argmax in one (`matvec.comp`, whose
+//! last workgroup takes the token from each workgroup's best). Each dispatch is a drain of
+//! the queue before the next.
 
 use std::sync::OnceLock;
 
@@ -89,16 +91,23 @@ pub const SPIRV_MAX_GROUP: usize = 8;
 /// key/value head in shared memory).
 pub const SPIRV_MAX_HEAD_DIM: usize = 256;
 
-/// Largest hidden size the Vulkan residual takes (`THREADS * NORM_PER_THREAD` in
-/// add_norm.glsl: each of its threads holds its dims in registers).
+/// Largest hidden size the Vulkan norms take (`THREADS * NORM_PER_THREAD` in norm.glsl: each
+/// of its threads holds its dims in registers).
 pub const SPIRV_MAX_HIDDEN: usize = 3072;
 
 /// Rows of the product a workgroup of the Vulkan matvec kernels takes (`ROWS` in
 /// matvec.comp).
 pub const SPIRV_MATVEC_ROWS: usize = 4;
+/// Rows of the tied head a workgroup of the Vulkan head takes (`ROWS` in matvec.comp with
+/// `ARGMAX`): 8, so that Gemma 3's 262144 rows come in 32768 workgroups, within the 65535
+/// that every Vulkan device dispatches.
+pub const SPIRV_HEAD_ROWS: usize = 8;
+/// Most workgroups of one dimension of a Vulkan dispatch that every device takes
+/// (`maxComputeWorkGroupCount`'s least value).
+pub const SPIRV_MAX_GROUPS: usize = 65535;
 
 /// The module global of the Vulkan kernels whose last workgroup finishes the work of all
-/// (`geglu_down_norm`, `matvec_norm`): `[SPIRV_COUNTERS]` i32, zeros at load, each a counter
+/// (`geglu_down_norm`, `matvec_norm`, `head`): `[SPIRV_COUNTERS]` i32, zeros at load, each a counter
 /// of the workgroups done that its kernel sets back to zero.
 pub const SPIRV_COUNTERS_GLOBAL: &str = "kvsnap_counters";
 /// Counters in [`SPIRV_COUNTERS_GLOBAL`].
@@ -134,7 +143,16 @@ pub const SPIRV_COUNTERS: usize = 1;
 ///   w_a)` and that sum normed by `w_h` (`[1, n]` each), then the counters: the workgroup
 ///   that finishes last runs the residual;
 /// - `geglu_down_norm` is `matvec_norm` with `geglu_down`'s product: `v` the gate/up row
-///   (`[1, 2 * k]`), `m` the down matrix.
+///   (`[1, 2 * k]`), `m` the down matrix;
+/// - `embed_norm` takes the step's embedding row (`[1, n]`) and the first layer's input norm
+///   (`[n]`), with the push constants `n, eps bits, scale bits`, one workgroup, and returns
+///   the row scaled (the first residual) and that normed (`[1, n]` each);
+/// - `head` takes the final norm's row `v` (`[1, k]`), the tied table `m` (`[n, k]`, rows)
+///   and the counters (in place), with the push constants `n, k`, a workgroup every
+///   [`SPIRV_HEAD_ROWS`] rows, and returns the logits `m . v` (`[n]`), each workgroup's best
+///   logit and its id (`[groups]` f32 and i32, scratch), the greedy token (`[1]` i32: NaN
+///   never wins, the lowest id on a tie), then the counters: the workgroup that finishes
+///   last takes the token from the workgroups' best.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SpirvKernels {
     /// The attention splits' kernel.
@@ -149,11 +167,15 @@ pub struct SpirvKernels {
     pub matvec: LinkedObject,
     /// A product, then the residual and the next norm (the attention's output projection).
     pub matvec_norm: LinkedObject,
+    /// The embedding row's scale and the first layer's input norm.
+    pub embed_norm: LinkedObject,
+    /// The tied head's logits and the greedy token.
+    pub head: LinkedObject,
 }
 
 impl SpirvKernels {
     /// The objects, each dispatch's executable.
-    pub fn objects(&self) -> [LinkedObject; 6] {
+    pub fn objects(&self) -> [LinkedObject; 8] {
         [
             self.split,
             self.merge,
@@ -161,26 +183,30 @@ impl SpirvKernels {
             self.geglu_down_norm,
             self.matvec,
             self.matvec_norm,
+            self.embed_norm,
+            self.head,
         ]
     }
 }
 
 #[cfg(kvsnap_spirv_kernels)]
-const SPIRV: Option<[&[u8]; 6]> = Some([
+const SPIRV: Option<[&[u8]; 8]> = Some([
     include_bytes!(concat!(env!("OUT_DIR"), "/attend_split.spv")),
     include_bytes!(concat!(env!("OUT_DIR"), "/attend_merge.spv")),
     include_bytes!(concat!(env!("OUT_DIR"), "/geglu_down.spv")),
     include_bytes!(concat!(env!("OUT_DIR"), "/geglu_down_norm.spv")),
     include_bytes!(concat!(env!("OUT_DIR"), "/matvec.spv")),
     include_bytes!(concat!(env!("OUT_DIR"), "/matvec_norm.spv")),
+    include_bytes!(concat!(env!("OUT_DIR"), "/embed_norm.spv")),
+    include_bytes!(concat!(env!("OUT_DIR"), "/head.spv")),
 ]);
 #[cfg(not(kvsnap_spirv_kernels))]
-const SPIRV: Option<[&[u8]; 6]> = None;
+const SPIRV: Option<[&[u8]; 8]> = None;
 
 /// The Vulkan decode step's kernels, when this build compiled them, each named by its
 /// content.
 pub fn spirv_kernels() -> Option<SpirvKernels> {
-    static NAMES: OnceLock<[String; 6]> = OnceLock::new();
+    static NAMES: OnceLock<[String; 8]> = OnceLock::new();
     let bytes = SPIRV?;
     let names = NAMES.get_or_init(|| {
         let kinds = [
@@ -190,13 +216,15 @@ pub fn spirv_kernels() -> Option<SpirvKernels> {
             "geglu_down_norm",
             "matvec",
             "matvec_norm",
+            "embed_norm",
+            "head",
         ];
         std::array::from_fn(|i| {
             let tag = hex(&Sha256::digest(bytes[i])[..8]);
             format!("kvsnap_{}_{tag}.spv", kinds[i])
         })
     });
-    let [split, merge, geglu_down, geglu_down_norm, matvec, matvec_norm] =
+    let [split, merge, geglu_down, geglu_down_norm, matvec, matvec_norm, embed_norm, head] =
         std::array::from_fn(|i| LinkedObject {
             name: &names[i],
             bytes: bytes[i],
@@ -208,6 +236,8 @@ pub fn spirv_kernels() -> Option<SpirvKernels> {
         geglu_down_norm,
         matvec,
         matvec_norm,
+        embed_norm,
+        head,
     })
 }
 

@@ -1340,10 +1340,12 @@ fn vulkan_attends_few_query_rows_in_blocks_of_keys() {
 /// the graph (RoPE's `reverse`), and the only scatter a step's is the ring's positions'. The
 /// attention's output projection, residual and the norm after it are one dispatch of
 /// `matvec_norm`; the MLP's GeGLU, down product, residual and the next layer's norm one of
-/// `geglu_down_norm`, but for the last layer's (the head's final norm follows: `geglu_down`,
-/// then IREE's norm). Those two count their workgroups on the module's counters (a global,
-/// loaded before and stored after each dispatch, in place). The q/k/v and gate/up products
-/// are one dispatch each of `matvec`, no `dot_general`. Chunks keep IREE's code.
+/// `geglu_down_norm` (the last layer's with the final norm). The q/k/v and gate/up products
+/// are one dispatch each of `matvec`, no `dot_general`. The step's embedding row is scaled
+/// and normed in one dispatch of `embed_norm`, and the tied head's logits and token come
+/// from one of `head`, no IREE product of the table. `matvec_norm`, `geglu_down_norm` and
+/// `head` count their workgroups on the module's counters (a global, loaded before and
+/// stored after each dispatch, in place). Chunks keep IREE's code.
 #[test]
 fn vulkan_decode_steps_run_the_spirv_kernels() {
     use kvsnap_iree::kernels::{SpirvKernels, SPIRV_SPLIT_ROWS};
@@ -1357,6 +1359,8 @@ fn vulkan_decode_steps_run_the_spirv_kernels() {
         geglu_down_norm: object("test_geglu_down_norm.spv"),
         matvec: object("test_matvec.spv"),
         matvec_norm: object("test_matvec_norm.spv"),
+        embed_norm: object("test_embed_norm.spv"),
+        head: object("test_head.spv"),
     };
     let opts = GraphOptions {
         spirv_kernels: Some(kernels),
@@ -1370,6 +1374,8 @@ fn vulkan_decode_steps_run_the_spirv_kernels() {
         kernels.geglu_down_norm,
         kernels.matvec,
         kernels.matvec_norm,
+        kernels.embed_norm,
+        kernels.head,
     ];
     assert_eq!(g.objects, all);
     let counters = "@kvsnap_counters";
@@ -1417,7 +1423,7 @@ fn vulkan_decode_steps_run_the_spirv_kernels() {
         let span = (e.span < capacity).then_some(e.span);
         let sliding = ring.rows_seen(1, span);
         let global = e.span;
-        assert_eq!(externs, 6 * layers * e.steps, "{}", e.name);
+        assert_eq!(externs, (6 * layers + 2) * e.steps, "{}", e.name);
         let (h, ffn) = (cfg.hidden_size, cfg.intermediate_size);
         let qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim;
         for (rows, what) in [(qkv, "q/k/v"), (2 * ffn, "gate/up")] {
@@ -1464,21 +1470,11 @@ fn vulkan_decode_steps_run_the_spirv_kernels() {
             format!("tensor<{h}x{ffn}xf32>"),
         );
         let geglu = format!("(i32, i32, {gate_up}, {down}) -> ({hidden})\n");
-        let geglus = body.matches(&geglu).count();
-        assert_eq!(
-            geglus, e.steps,
-            "{}: the last layer's GeGLU and down",
-            e.name
-        );
+        assert!(!body.contains(&geglu), "{}: GeGLU without its norm", e.name);
         let with_norm =
             format!("(i32, i32, i32, {gate_up}, {down}, {hidden}, {norm}, {norm}, tensor<1xi32>)");
         let fused = in_place_externs(body, &with_norm, &results, 1);
-        assert_eq!(
-            fused,
-            (layers - 1) * e.steps,
-            "{}: GeGLU, down and norms",
-            e.name
-        );
+        assert_eq!(fused, layers * e.steps, "{}: GeGLU, down and norms", e.name);
         assert_eq!(
             body.matches(r#"path = "test_geglu_down_norm.spv""#).count(),
             fused
@@ -1489,7 +1485,32 @@ fn vulkan_decode_steps_run_the_spirv_kernels() {
         let stores = body
             .matches(&format!(", {counters} : tensor<1xi32>"))
             .count();
-        let counted = projections + fused;
+        let embed_norm = format!("(i32, i32, i32, {hidden}, {norm}) -> ({hidden}, {hidden})\n");
+        assert_eq!(
+            body.matches(&embed_norm).count(),
+            e.steps,
+            "{}: embed_norm",
+            e.name
+        );
+        assert_eq!(
+            body.matches(r#"path = "test_embed_norm.spv""#).count(),
+            e.steps
+        );
+        let vocab = cfg.vocab_size;
+        let (table, groups) = (format!("tensor<{vocab}x{h}xf32>"), vocab.div_ceil(8));
+        let head = format!("(i32, i32, {hidden}, {table}, tensor<1xi32>)");
+        let logits = format!(
+            "tensor<{vocab}xf32>, tensor<{groups}xf32>, tensor<{groups}xi32>, tensor<1xi32>"
+        );
+        let heads = in_place_externs(body, &head, &logits, 1);
+        assert_eq!(heads, e.steps, "{}: the head", e.name);
+        assert_eq!(body.matches(r#"path = "test_head.spv""#).count(), heads);
+        let table_products = body
+            .lines()
+            .filter(|l| l.contains("stablehlo.dot_general") && l.contains(&table))
+            .count();
+        assert_eq!(table_products, 0, "{}: IREE's head", e.name);
+        let counted = projections + fused + heads;
         assert_eq!(
             (loads, stores),
             (counted, counted),

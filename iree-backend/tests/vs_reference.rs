@@ -629,6 +629,118 @@ fn argmax_with_planted_maxima_on_every_target() {
     }
 }
 
+/// The decode step's tied head on Vulkan in kvsnap's SPIR-V kernel (`head`: the logits and
+/// the token in one dispatch) on planted tables, `h` the first unit row so that each logit is
+/// exactly its row's first weight: the token as `kvsnap_contract::argmax` with maxima at
+/// workgroup edges (8 rows each) and where the last workgroup's threads wrap (128 of them),
+/// ties within a workgroup, across workgroups of one thread and of two, NaN (never wins),
+/// every logit -inf or NaN (0); over the real vocab (32768 workgroups) and one of a partial
+/// last workgroup. Then a random table's logits against the host's sums.
+#[test]
+fn spirv_head_matches_the_contract_argmax_on_planted_tables() {
+    use kvsnap_iree::graphs::head_module;
+    use kvsnap_iree::kernels::spirv_kernels;
+    use kvsnap_iree::runtime::{BufferView, Device, Instance, Session};
+    use kvsnap_reference::tiny::config;
+
+    let Some(compiler) = compiler() else {
+        return;
+    };
+    let Some(kernels) = spirv_kernels() else {
+        eprintln!("SKIPPED: this build has no SPIR-V kernels (glslangValidator not found)");
+        return;
+    };
+    let instance = Instance::new().unwrap();
+    let device = match Device::vulkan(&instance, 0) {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("SKIPPED: no Vulkan device ({e})");
+            return;
+        }
+    };
+    for (vocab, hidden) in [(262_144, 8), (1003, 12)] {
+        let mut cfg = config(Preset::RealShapes);
+        (cfg.vocab_size, cfg.hidden_size) = (vocab, hidden);
+        let (mlir, objects) = head_module(&cfg, Some(kernels));
+        let target = Target::VulkanSpirv;
+        let compiled = compiler.compile_tuned(&mlir, None, &objects, target, &mut |_| {});
+        let session = Session::new(&device, &compiled.unwrap().vmfb).unwrap();
+        let run = |table: &[f32], h: &[f32]| -> (u32, Vec<f32>) {
+            let table = BufferView::from_f32(&device, &[vocab, hidden], table).unwrap();
+            let h = BufferView::from_f32(&device, &[hidden], h).unwrap();
+            let out = session.call("head", &[&table, &h]).unwrap();
+            let next = out[0].to_i32_vec().unwrap()[0] as u32;
+            (next, out[1].to_f32_vec().unwrap())
+        };
+        // Rows whose first weights are `firsts`, the others finite.
+        let table_of = |firsts: &[f32]| -> Vec<f32> {
+            let rest = |i: usize, j: usize| ((i * 31 + j * 7) % 17) as f32 * 0.25 - 2.0;
+            (0..vocab)
+                .flat_map(|i| (0..hidden).map(move |j| if j == 0 { firsts[i] } else { rest(i, j) }))
+                .collect()
+        };
+        let mut unit = vec![0.0; hidden];
+        unit[0] = 1.0;
+        let check = |firsts: &[f32], what: &str| {
+            let (next, logits) = run(&table_of(firsts), &unit);
+            let same =
+                |(a, b): (&f32, &f32)| a.to_bits() == b.to_bits() || a.is_nan() && b.is_nan();
+            assert!(
+                logits.iter().zip(firsts).all(same),
+                "{vocab}: {what}: logits"
+            );
+            assert_eq!(next, kvsnap_contract::argmax(firsts), "{vocab}: {what}");
+        };
+        let base: Vec<f32> = (0..vocab)
+            .map(|i| ((i * 7919) % 1000) as f32 * 1e-3)
+            .collect();
+        let edges = [0, 7, 8, 1023, 1024, 1031, vocab / 2, vocab - 8, vocab - 1];
+        for planted in edges.into_iter().filter(|&i| i < vocab) {
+            let mut l = base.clone();
+            l[planted] = 5.0;
+            check(&l, &format!("max at {planted}"));
+        }
+        for tie in [[9, 10], [1030, 6], [8, 8 + 8 * 128], [16, vocab - 1]] {
+            let mut l = base.clone();
+            for i in tie.into_iter().filter(|&i| i < vocab) {
+                l[i] = 5.0;
+            }
+            check(&l, &format!("tie at {tie:?}"));
+        }
+        let mut l = base.clone();
+        for (i, v) in [
+            (2, f32::NAN),
+            (5, 5.0),
+            (vocab / 3, f32::NAN),
+            (vocab - 1, f32::NAN),
+        ] {
+            l[i] = v;
+        }
+        check(&l, "NaN");
+        check(&vec![f32::NEG_INFINITY; vocab], "all -inf");
+        check(&vec![f32::NAN; vocab], "all NaN");
+
+        let table: Vec<f32> = (0..vocab * hidden)
+            .map(|i| ((i * 2_654_435_761) % 10_007) as f32 / 10_007.0 - 0.5)
+            .collect();
+        let h: Vec<f32> = (0..hidden).map(|j| 1.0 - 0.1 * j as f32).collect();
+        let (next, logits) = run(&table, &h);
+        for (i, got) in logits.iter().enumerate() {
+            let row = &table[i * hidden..(i + 1) * hidden];
+            let want: f64 = row.iter().zip(&h).map(|(&a, &b)| a as f64 * b as f64).sum();
+            assert!(
+                (*got as f64 - want).abs() < 1e-5,
+                "{vocab}: logit {i}: {got} vs {want}"
+            );
+        }
+        assert_eq!(
+            next,
+            kvsnap_contract::argmax(&logits),
+            "{vocab}: random table"
+        );
+    }
+}
+
 /// The screened head's token (llvm-cpu) against `kvsnap_reference::head::TiedHead` and the
 /// full head, on planted tables: a vocab that is not a whole number of blocks, winners at
 /// block and table edges, duplicated winners (the lowest id wins), and the cases it must

@@ -198,6 +198,16 @@ pub(super) struct Chunk {
     row_valid: Value,
 }
 
+/// The decoder layers' output: the last residual, and its row normed by the final norm where
+/// the last layer's kernel ran that norm too (the decode step's, on Vulkan:
+/// [`GraphOptions::spirv_kernels`]).
+pub(super) struct Hidden {
+    /// `[C, hidden]`.
+    pub x: Value,
+    /// `[1, hidden]`.
+    pub final_normed: Option<Value>,
+}
+
 /// The graph of one entry point under construction.
 pub(super) struct Forward<'a> {
     pub b: FuncBuilder,
@@ -703,7 +713,7 @@ impl<'a> Forward<'a> {
     ///
     /// # Shapes
     /// `rows`: `[C, hidden]` raw rows; returns `[C, hidden]`.
-    pub fn embed(&mut self, rows: &Value) -> Value {
+    fn embed(&mut self, rows: &Value) -> Value {
         let scale = self.f32(self.cfg.embed_scale(), rows.dims());
         self.b.mul(rows, &scale)
     }
@@ -795,12 +805,79 @@ impl<'a> Forward<'a> {
         self.opts.spirv_kernels.filter(|_| fits)
     }
 
-    /// The SPIR-V kernels of a residual whose layer half ends in a product of `k`-long rows
-    /// ([`Forward::spirv_residual`]): [`Forward::spirv_matvec_fits`], and hidden sizes up to
+    /// The SPIR-V kernels of a chunk's norms ([`Forward::spirv_embed_norm`]), with
+    /// [`GraphOptions::spirv_kernels`]: the decode step's row, hidden sizes up to
     /// [`kernels::SPIRV_MAX_HIDDEN`].
+    fn spirv_norm_fits(&self, ch: &Chunk) -> Option<SpirvKernels> {
+        let fits = ch.c == 1 && self.cfg.hidden_size <= kernels::SPIRV_MAX_HIDDEN;
+        self.opts.spirv_kernels.filter(|_| fits)
+    }
+
+    /// The SPIR-V kernels of a residual whose layer half ends in a product of `k`-long rows
+    /// ([`Forward::spirv_residual`]): [`Forward::spirv_matvec_fits`] and
+    /// [`Forward::spirv_norm_fits`].
     fn spirv_residual_fits(&self, ch: &Chunk, k: usize) -> Option<SpirvKernels> {
-        let fits = self.cfg.hidden_size <= kernels::SPIRV_MAX_HIDDEN;
-        self.spirv_matvec_fits(ch.c, k).filter(|_| fits)
+        self.spirv_matvec_fits(ch.c, k)
+            .and(self.spirv_norm_fits(ch))
+    }
+
+    /// The SPIR-V kernels of the tied head ([`Forward::spirv_head`]):
+    /// [`Forward::spirv_matvec_fits`] for the table's rows, a model without a final logit
+    /// softcap, and a vocabulary of at most [`kernels::SPIRV_MAX_GROUPS`] workgroups.
+    fn spirv_head_fits(&self, ch: &Chunk) -> Option<SpirvKernels> {
+        let groups = self.cfg.vocab_size.div_ceil(kernels::SPIRV_HEAD_ROWS);
+        let fits = self.opts.table_layout() == WeightLayout::Rows
+            && self.cfg.final_logit_softcapping.is_none()
+            && groups <= kernels::SPIRV_MAX_GROUPS;
+        self.spirv_matvec_fits(ch.c, self.cfg.hidden_size)
+            .filter(|_| fits)
+    }
+
+    /// The first residual, the embedding row scaled ([`Forward::embed`]), and that normed by
+    /// `norm` (the first layer's input norm), in one dispatch of the SPIR-V kernel `object`
+    /// (`embed_norm`), one workgroup. `[1, hidden]` each.
+    fn spirv_embed_norm(&mut self, object: &str, rows: &Value, norm: &Value) -> (Value, Value) {
+        let n = self.cfg.hidden_size;
+        let eps = (self.cfg.rms_norm_eps as f32).to_bits();
+        let scale = self.cfg.embed_scale().to_bits();
+        let [x, h]: [Value; 2] = self
+            .b
+            .dispatch_spirv(
+                object,
+                [1, 1, 1],
+                &[n as u32, eps, scale],
+                (&[rows, norm], &[]),
+                &[rows.ty.clone(), rows.ty.clone()],
+            )
+            .try_into()
+            .expect("the residual and its norm");
+        (x, h)
+    }
+
+    /// The tied head's logits `embed . h` and the greedy token, in one dispatch of the SPIR-V
+    /// kernel `object` (`head`): a workgroup every [`kernels::SPIRV_HEAD_ROWS`] rows, the
+    /// last to finish taking the token from each workgroup's best (as
+    /// [`Forward::argmax`]). Returns `next: []` i32 and `logits: [vocab]`.
+    pub fn spirv_head(&mut self, object: &str, embed: &Value, h: &Value) -> (Value, Value) {
+        let (n, k) = (self.cfg.vocab_size, self.cfg.hidden_size);
+        let groups = n.div_ceil(kernels::SPIRV_HEAD_ROWS);
+        let h = self.b.reshape(h, &[1, k]);
+        let [logits, _, _, next]: [Value; 4] = self
+            .counted_dispatch(
+                object,
+                [groups, 1, 1],
+                &[n as u32, k as u32],
+                &[&h, embed],
+                &[
+                    TensorType::f32(&[n]),
+                    TensorType::f32(&[groups]),
+                    TensorType::i32(&[groups]),
+                    TensorType::i32(&[1]),
+                ],
+            )
+            .try_into()
+            .expect("the logits, the workgroups' best and the token");
+        (self.b.reshape(&next, &[]), logits)
     }
 
     /// `m . v` for a matrix `m` in rows (`[n, k]`) and one row `v` (`[1, k]`), in one
@@ -878,29 +955,46 @@ impl<'a> Forward<'a> {
         out
     }
 
-    /// The decoder layers over the chunk's rows `x`, each with its K and V buffers in `kv`
-    /// (K then V per layer); returns the last residual and the updated buffers, in `kv`'s
-    /// order.
+    /// The decoder layers over the chunk's embedding rows `rows` (raw: scaled here), each
+    /// with its K and V buffers in `kv` (K then V per layer); returns the last residual and
+    /// the updated buffers, in `kv`'s order. The decode step's kernels on Vulkan scale and
+    /// norm the row in one dispatch, and end the last layer in `final_norm` too
+    /// ([`Hidden::final_normed`]).
     pub fn layers(
         &mut self,
         weights: &[LayerWeights],
         ch: &Chunk,
-        mut x: Value,
+        rows: &Value,
         kv: &[Value],
-    ) -> (Value, Vec<Value>) {
+        final_norm: &Value,
+    ) -> (Hidden, Vec<Value>) {
         let mut kv_out = Vec::with_capacity(kv.len());
-        let mut h = weights
-            .first()
-            .map(|w| self.rms_norm(&x, &w.input_layernorm));
+        let (mut x, mut h) = match (self.spirv_norm_fits(ch), weights.first()) {
+            (Some(kernels), Some(first)) => {
+                let (x, h) =
+                    self.spirv_embed_norm(kernels.embed_norm.name, rows, &first.input_layernorm);
+                (x, Some(h))
+            }
+            (_, first) => {
+                let x = self.embed(rows);
+                let h = first.map(|w| self.rms_norm(&x, &w.input_layernorm));
+                (x, h)
+            }
+        };
+        let ffn = self.cfg.intermediate_size;
         for (layer, w) in weights.iter().enumerate() {
             let input = h.take().expect("each layer's normed input");
-            let next_norm = weights.get(layer + 1).map(|next| &next.input_layernorm);
+            let next_norm = match weights.get(layer + 1) {
+                Some(next) => Some(&next.input_layernorm),
+                None => self.spirv_residual_fits(ch, ffn).map(|_| final_norm),
+            };
             let buffers = (&kv[2 * layer], &kv[2 * layer + 1]);
             let (nx, nh, k, v) = self.layer((layer, w), ch, (&x, &input), next_norm, buffers);
             (x, h) = (nx, nh);
             kv_out.extend([k, v]);
         }
-        (x, kv_out)
+        let hidden = Hidden { x, final_normed: h };
+        (hidden, kv_out)
     }
 
     /// `down(gelu_tanh(gate(x)) * up(x))`, GELU written as the reference's `gelu_tanh`. The
@@ -1445,7 +1539,7 @@ impl<'a> Forward<'a> {
         &mut self,
         flag: &Scalar,
         ch: &Chunk,
-        x: &Value,
+        x: &Hidden,
         norm: &Value,
         embed: &Value,
         screen: Option<&Screen>,
@@ -1470,7 +1564,7 @@ impl<'a> Forward<'a> {
         &mut self,
         screen: &Screen,
         ch: &Chunk,
-        x: &Value,
+        x: &Hidden,
         norm: &Value,
         embed: &Value,
     ) -> (Value, Value) {
@@ -1495,7 +1589,7 @@ impl<'a> Forward<'a> {
         &mut self,
         flag: &Scalar,
         ch: &Chunk,
-        x: &Value,
+        x: &Hidden,
         norm: &Value,
         embed: &Value,
     ) -> (Value, Value) {
@@ -1515,12 +1609,16 @@ impl<'a> Forward<'a> {
         self.next_and_logits(&pred, then, otherwise)
     }
 
-    /// The final norm of the last valid row.
+    /// The final norm of the last valid row (the layers' own, where their kernel ran it).
     ///
     /// # Shapes
-    /// `x`: `[C, hidden]`; returns `[hidden]`.
-    fn final_norm(&mut self, ch: &Chunk, x: &Value, norm: &Value) -> Value {
+    /// Returns `[hidden]`.
+    fn final_norm(&mut self, ch: &Chunk, x: &Hidden, norm: &Value) -> Value {
         let hidden = self.cfg.hidden_size;
+        if let Some(h) = &x.final_normed {
+            return self.b.reshape(h, &[hidden]);
+        }
+        let x = &x.x;
         let h = if ch.c == 1 {
             x.clone()
         } else if self.opts.device_rows {
@@ -1539,23 +1637,37 @@ impl<'a> Forward<'a> {
         self.b.reshape(&h, &[hidden])
     }
 
-    /// Final norm, tied head and greedy argmax of the last valid row.
+    /// Final norm, tied head and greedy argmax of the last valid row; the decode step's on
+    /// Vulkan in one dispatch of kvsnap's kernel ([`Forward::spirv_head`]).
     ///
     /// # Shapes
-    /// `x`: `[C, hidden]`; `embed`: the table in [`GraphOptions::table_layout`]; returns
+    /// `embed`: the table in [`GraphOptions::table_layout`]; returns `next: []` i32 and
+    /// `logits: [vocab]`.
+    pub fn head(&mut self, ch: &Chunk, x: &Hidden, norm: &Value, embed: &Value) -> (Value, Value) {
+        let h = self.final_norm(ch, x, norm);
+        match self.spirv_head_fits(ch) {
+            Some(kernels) => self.spirv_head(kernels.head.name, embed, &h),
+            None => self.tied_head(embed, &h),
+        }
+    }
+
+    /// The tied head's logits `embed . h` (softcapped where the model says) and the greedy
+    /// token, in IREE's code.
+    ///
+    /// # Shapes
+    /// `embed`: the table in [`GraphOptions::table_layout`]; `h`: `[hidden]`; returns
     /// `next: []` i32 and `logits: [vocab]`.
-    pub fn head(&mut self, ch: &Chunk, x: &Value, norm: &Value, embed: &Value) -> (Value, Value) {
+    pub fn tied_head(&mut self, embed: &Value, h: &Value) -> (Value, Value) {
         let hidden = self.cfg.hidden_size;
         let vocab = self.cfg.vocab_size;
-        let h = self.final_norm(ch, x, norm);
         let mut logits = match self.opts.table_layout() {
             WeightLayout::Rows => {
-                let h = self.b.reshape(&h, &[1, hidden]);
+                let h = self.b.reshape(h, &[1, hidden]);
                 let logits = self.b.dot_general(embed, &h, &DotDims::contract(1, 1)); // [vocab, 1]
                 self.b.reshape(&logits, &[vocab])
             }
             WeightLayout::Panels => {
-                let logits = self.panel_matvec(embed, &h);
+                let logits = self.panel_matvec(embed, h);
                 if logits.dims()[0] > vocab {
                     self.b.slice(&logits, &[0], &[vocab])
                 } else {

@@ -175,10 +175,11 @@ pub struct GraphOptions {
     /// decode step's attention in kvsnap's kernels, this object linked into the module,
     /// instead of IREE's code ([`kernels`]). Requires [`WeightLayout::Panels`].
     pub own_kernels: Option<LinkedObject>,
-    /// Run the decode step's layers in kvsnap's SPIR-V kernels ([`SpirvKernels`]): the
-    /// products, the attention (with its q/k norms, RoPE and K/V row writes), the GeGLU and
-    /// the residual norms, six dispatches a layer, instead of IREE's code (eighteen). For
-    /// Vulkan modules, where this build compiled the kernels ([`kernels::spirv_kernels`]).
+    /// Run the decode step in kvsnap's SPIR-V kernels ([`SpirvKernels`]): the embedding's
+    /// norm, the layers' products, attention (with its q/k norms, RoPE and K/V row writes),
+    /// GeGLU and residual norms, six dispatches a layer instead of IREE's eighteen, and the
+    /// head with its argmax. For Vulkan modules, where this build compiled the kernels
+    /// ([`kernels::spirv_kernels`]).
     pub spirv_kernels: Option<SpirvKernels>,
     /// Where the chunk has few query rows, take the scores with the keys as the product's
     /// output rows and the weighted values in blocks of keys (`Forward::attend_blocked`): IREE
@@ -472,6 +473,43 @@ pub fn argmax_module(cfg: &ModelConfig) -> String {
     module.text()
 }
 
+/// A module `@head(table, h) -> (tensor<i32>, tensor<vocab x f32>)` holding the tied head
+/// alone after the final norm (`h: [hidden]` the normalised row, the f32 table in rows): the
+/// greedy token and the logits, for Vulkan, to test them with planted tables. In kvsnap's
+/// SPIR-V kernel where `spirv_kernels` is given (the decode step's head: the module then
+/// links its objects, returned with the text), else in IREE's code.
+pub fn head_module(
+    cfg: &ModelConfig,
+    spirv_kernels: Option<SpirvKernels>,
+) -> (String, Vec<LinkedObject>) {
+    let mut b = FuncBuilder::new("head");
+    let table = b.arg(TensorType::f32(&[cfg.vocab_size, cfg.hidden_size]));
+    let h = b.arg(TensorType::f32(&[cfg.hidden_size]));
+    let mut f = Forward {
+        b,
+        cfg,
+        opts: GraphOptions {
+            spirv_kernels,
+            ..GraphOptions::vulkan()
+        },
+        span: None,
+    };
+    let mut module = Module::new("head");
+    let (next, logits) = match spirv_kernels {
+        Some(kernels) => {
+            module.push_global(
+                kernels::SPIRV_COUNTERS_GLOBAL,
+                &TensorType::i32(&[kernels::SPIRV_COUNTERS]),
+            );
+            f.spirv_head(kernels.head.name, &table, &h)
+        }
+        None => f.tied_head(&table, &h),
+    };
+    module.push(f.b.finish(&[&next, &logits]));
+    let objects = spirv_kernels.map_or(vec![], |k| k.objects().to_vec());
+    (module.text(), objects)
+}
+
 /// A module `@screen(q8, scale, slack, table, h) -> tensor<i32>` holding the screened head's
 /// token alone (`Forward::screen`, after the final norm: `h` is the normalised row), for
 /// llvm-cpu, to test it against `kvsnap_reference::head::TiedHead` with planted tables: the
@@ -574,8 +612,7 @@ fn entry_point(
         Input::Ids => f.gather(&a.embed, &a.input),
         Input::Embeddings => a.input,
     };
-    let x = f.embed(&rows);
-    let (x, kv_out) = f.layers(&a.layers, &ch, x, &a.kv);
+    let (x, kv_out) = f.layers(&a.layers, &ch, &rows, &a.kv, &a.norm);
     let (next, logits) = match (head_mode, &a.screen) {
         (HeadMode::Screen, Some(screen)) => f.screened(screen, &ch, &x, &a.norm, &a.embed),
         (HeadMode::Full, _) => f.head(&ch, &x, &a.norm, &a.embed),
@@ -652,8 +689,7 @@ fn decode_entry_point(
         );
         positions = written;
         let rows = f.gather(&a.embed, &ids);
-        let x = f.embed(&rows);
-        let (x, kv_out) = f.layers(&a.layers, &ch, x, &kv);
+        let (x, kv_out) = f.layers(&a.layers, &ch, &rows, &kv, &a.norm);
         kv = kv_out;
         let (token, _) = f.head(&ch, &x, &a.norm, &a.embed);
         let token = match &next {
