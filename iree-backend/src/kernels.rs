@@ -33,8 +33,9 @@
 //! MLP's GeGLU and down product with theirs in one (`matvec.comp`, whose last workgroup runs
 //! the residual), where IREE's took three and four; the embedding's scale and first norm in
 //! one (`embed_norm.comp`), and the tied head with its argmax in one (`matvec.comp`, whose
-//! last workgroup takes the token from each workgroup's best). Each dispatch is a drain of
-//! the queue before the next.
+//! last workgroup takes the token from each workgroup's best). A chunk's products run in
+//! `matmul.comp` (tiles of 32 chunk rows by 32 matrix rows staged in shared memory), its head
+//! in the step's. Each dispatch is a drain of the queue before the next.
 
 use std::sync::OnceLock;
 
@@ -102,6 +103,9 @@ pub const SPIRV_MATVEC_ROWS: usize = 4;
 /// `ARGMAX`): 8, so that Gemma 3's 262144 rows come in 32768 workgroups, within the 65535
 /// that every Vulkan device dispatches.
 pub const SPIRV_HEAD_ROWS: usize = 8;
+/// Chunk rows and matrix rows of a tile of the Vulkan chunk product (`TILE_C`, `TILE_N` in
+/// matmul.comp): a workgroup each.
+pub const SPIRV_MATMUL_TILE: [usize; 2] = [32, 32];
 /// Most workgroups of one dimension of a Vulkan dispatch that every device takes
 /// (`maxComputeWorkGroupCount`'s least value).
 pub const SPIRV_MAX_GROUPS: usize = 65535;
@@ -152,7 +156,10 @@ pub const SPIRV_COUNTERS: usize = 1;
 ///   [`SPIRV_HEAD_ROWS`] rows, and returns the logits `m . v` (`[n]`), each workgroup's best
 ///   logit and its id (`[groups]` f32 and i32, scratch), the greedy token (`[1]` i32: NaN
 ///   never wins, the lowest id on a tie), then the counters: the workgroup that finishes
-///   last takes the token from the workgroups' best.
+///   last takes the token from the workgroups' best;
+/// - `matmul` takes a chunk's rows `x` (`[c, k]`) and a matrix `m` (`[n, k]`, rows), with
+///   the push constants `c, n, k`, workgroups `(n, c)` in tiles of [`SPIRV_MATMUL_TILE`], and
+///   returns `x . m^T` (`[c, n]`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SpirvKernels {
     /// The attention splits' kernel.
@@ -171,11 +178,13 @@ pub struct SpirvKernels {
     pub embed_norm: LinkedObject,
     /// The tied head's logits and the greedy token.
     pub head: LinkedObject,
+    /// A chunk's product.
+    pub matmul: LinkedObject,
 }
 
 impl SpirvKernels {
     /// The objects, each dispatch's executable.
-    pub fn objects(&self) -> [LinkedObject; 8] {
+    pub fn objects(&self) -> [LinkedObject; 9] {
         [
             self.split,
             self.merge,
@@ -185,12 +194,13 @@ impl SpirvKernels {
             self.matvec_norm,
             self.embed_norm,
             self.head,
+            self.matmul,
         ]
     }
 }
 
 #[cfg(kvsnap_spirv_kernels)]
-const SPIRV: Option<[&[u8]; 8]> = Some([
+const SPIRV: Option<[&[u8]; 9]> = Some([
     include_bytes!(concat!(env!("OUT_DIR"), "/attend_split.spv")),
     include_bytes!(concat!(env!("OUT_DIR"), "/attend_merge.spv")),
     include_bytes!(concat!(env!("OUT_DIR"), "/geglu_down.spv")),
@@ -199,14 +209,15 @@ const SPIRV: Option<[&[u8]; 8]> = Some([
     include_bytes!(concat!(env!("OUT_DIR"), "/matvec_norm.spv")),
     include_bytes!(concat!(env!("OUT_DIR"), "/embed_norm.spv")),
     include_bytes!(concat!(env!("OUT_DIR"), "/head.spv")),
+    include_bytes!(concat!(env!("OUT_DIR"), "/matmul.spv")),
 ]);
 #[cfg(not(kvsnap_spirv_kernels))]
-const SPIRV: Option<[&[u8]; 8]> = None;
+const SPIRV: Option<[&[u8]; 9]> = None;
 
 /// The Vulkan decode step's kernels, when this build compiled them, each named by its
 /// content.
 pub fn spirv_kernels() -> Option<SpirvKernels> {
-    static NAMES: OnceLock<[String; 8]> = OnceLock::new();
+    static NAMES: OnceLock<[String; 9]> = OnceLock::new();
     let bytes = SPIRV?;
     let names = NAMES.get_or_init(|| {
         let kinds = [
@@ -218,13 +229,14 @@ pub fn spirv_kernels() -> Option<SpirvKernels> {
             "matvec_norm",
             "embed_norm",
             "head",
+            "matmul",
         ];
         std::array::from_fn(|i| {
             let tag = hex(&Sha256::digest(bytes[i])[..8]);
             format!("kvsnap_{}_{tag}.spv", kinds[i])
         })
     });
-    let [split, merge, geglu_down, geglu_down_norm, matvec, matvec_norm, embed_norm, head] =
+    let [split, merge, geglu_down, geglu_down_norm, matvec, matvec_norm, embed_norm, head, matmul] =
         std::array::from_fn(|i| LinkedObject {
             name: &names[i],
             bytes: bytes[i],
@@ -238,6 +250,7 @@ pub fn spirv_kernels() -> Option<SpirvKernels> {
         matvec_norm,
         embed_norm,
         head,
+        matmul,
     })
 }
 

@@ -1345,7 +1345,8 @@ fn vulkan_attends_few_query_rows_in_blocks_of_keys() {
 /// and normed in one dispatch of `embed_norm`, and the tied head's logits and token come
 /// from one of `head`, no IREE product of the table. `matvec_norm`, `geglu_down_norm` and
 /// `head` count their workgroups on the module's counters (a global, loaded before and
-/// stored after each dispatch, in place). Chunks keep IREE's code.
+/// stored after each dispatch, in place). A chunk's four products a layer are one dispatch
+/// each of `matmul`, its head one of `head`; the rest of a chunk is IREE's code.
 #[test]
 fn vulkan_decode_steps_run_the_spirv_kernels() {
     use kvsnap_iree::kernels::{SpirvKernels, SPIRV_SPLIT_ROWS};
@@ -1361,6 +1362,7 @@ fn vulkan_decode_steps_run_the_spirv_kernels() {
         matvec_norm: object("test_matvec_norm.spv"),
         embed_norm: object("test_embed_norm.spv"),
         head: object("test_head.spv"),
+        matmul: object("test_matmul.spv"),
     };
     let opts = GraphOptions {
         spirv_kernels: Some(kernels),
@@ -1376,6 +1378,7 @@ fn vulkan_decode_steps_run_the_spirv_kernels() {
         kernels.matvec_norm,
         kernels.embed_norm,
         kernels.head,
+        kernels.matmul,
     ];
     assert_eq!(g.objects, all);
     let counters = "@kvsnap_counters";
@@ -1415,8 +1418,52 @@ fn vulkan_decode_steps_run_the_spirv_kernels() {
     for e in &g.manifest.entry_points {
         let body = function_of(&g.mlir, &e.name);
         let externs = body.matches("hal.dispatch.extern").count();
+        let (h, ffn) = (cfg.hidden_size, cfg.intermediate_size);
+        let qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim;
+        let heads = cfg.num_attention_heads * cfg.head_dim;
+        let iree_products = body
+            .lines()
+            .filter(|l| l.contains("stablehlo.dot_general"))
+            .filter(|l| {
+                [[qkv, h], [2 * ffn, h], [h, heads], [h, ffn]]
+                    .iter()
+                    .any(|[n, k]| l.contains(&format!("tensor<{n}x{k}xf32>")))
+            })
+            .count();
+        assert_eq!(iree_products, 0, "{}: IREE's products", e.name);
+        let vocab = cfg.vocab_size;
+        let (table, groups) = (format!("tensor<{vocab}x{h}xf32>"), vocab.div_ceil(8));
+        let head = format!("(i32, i32, tensor<1x{h}xf32>, {table}, tensor<1xi32>)");
+        let logits = format!(
+            "tensor<{vocab}xf32>, tensor<{groups}xf32>, tensor<{groups}xi32>, tensor<1xi32>"
+        );
+        let heads_run = in_place_externs(body, &head, &logits, 1);
+        assert_eq!(heads_run, e.steps, "{}: the head", e.name);
+        assert_eq!(body.matches(r#"path = "test_head.spv""#).count(), heads_run);
+        let table_products = body
+            .lines()
+            .filter(|l| l.contains("stablehlo.dot_general") && l.contains(&table))
+            .count();
+        assert_eq!(table_products, 0, "{}: IREE's head", e.name);
         if e.chunk > 1 {
-            assert_eq!(externs, 0, "{}: IREE's code", e.name);
+            // Each layer's four products in `matmul`, and the head; IREE's code the rest.
+            let c = e.chunk;
+            for (n, k) in [(qkv, h), (h, heads), (2 * ffn, h), (h, ffn)] {
+                let product = format!(
+                    "(i32, i32, i32, tensor<{c}x{k}xf32>, tensor<{n}x{k}xf32>) -> (tensor<{c}x{n}xf32>)\n"
+                );
+                assert_eq!(
+                    body.matches(&product).count(),
+                    layers,
+                    "{}: {n}x{k}",
+                    e.name
+                );
+            }
+            assert_eq!(
+                body.matches(r#"path = "test_matmul.spv""#).count(),
+                4 * layers
+            );
+            assert_eq!(externs, 4 * layers + 1, "{}", e.name);
             continue;
         }
         steps_seen += e.steps;
@@ -1424,8 +1471,6 @@ fn vulkan_decode_steps_run_the_spirv_kernels() {
         let sliding = ring.rows_seen(1, span);
         let global = e.span;
         assert_eq!(externs, (6 * layers + 2) * e.steps, "{}", e.name);
-        let (h, ffn) = (cfg.hidden_size, cfg.intermediate_size);
-        let qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim;
         for (rows, what) in [(qkv, "q/k/v"), (2 * ffn, "gate/up")] {
             let product = format!(
                 "(i32, i32, tensor<1x{h}xf32>, tensor<{rows}x{h}xf32>) -> (tensor<1x{rows}xf32>)\n"
@@ -1441,20 +1486,9 @@ fn vulkan_decode_steps_run_the_spirv_kernels() {
             body.matches(r#"path = "test_matvec.spv""#).count(),
             2 * layers * e.steps
         );
-        let iree_products = body
-            .lines()
-            .filter(|l| l.contains("stablehlo.dot_general"))
-            .filter(|l| {
-                [qkv, 2 * ffn]
-                    .iter()
-                    .any(|r| l.contains(&format!("tensor<{r}x{h}xf32>")))
-            })
-            .count();
-        assert_eq!(iree_products, 0, "{}: IREE's products", e.name);
         let hidden = format!("tensor<1x{h}xf32>");
         let norm = format!("tensor<{h}xf32>");
         let results = format!("{hidden}, {hidden}, {hidden}");
-        let heads = cfg.num_attention_heads * cfg.head_dim;
         let output = format!(
             "(i32, i32, i32, tensor<1x{heads}xf32>, tensor<{h}x{heads}xf32>, {hidden}, {norm}, \
              {norm}, tensor<1xi32>)"
@@ -1496,21 +1530,7 @@ fn vulkan_decode_steps_run_the_spirv_kernels() {
             body.matches(r#"path = "test_embed_norm.spv""#).count(),
             e.steps
         );
-        let vocab = cfg.vocab_size;
-        let (table, groups) = (format!("tensor<{vocab}x{h}xf32>"), vocab.div_ceil(8));
-        let head = format!("(i32, i32, {hidden}, {table}, tensor<1xi32>)");
-        let logits = format!(
-            "tensor<{vocab}xf32>, tensor<{groups}xf32>, tensor<{groups}xi32>, tensor<1xi32>"
-        );
-        let heads = in_place_externs(body, &head, &logits, 1);
-        assert_eq!(heads, e.steps, "{}: the head", e.name);
-        assert_eq!(body.matches(r#"path = "test_head.spv""#).count(), heads);
-        let table_products = body
-            .lines()
-            .filter(|l| l.contains("stablehlo.dot_general") && l.contains(&table))
-            .count();
-        assert_eq!(table_products, 0, "{}: IREE's head", e.name);
-        let counted = projections + fused + heads;
+        let counted = projections + fused + heads_run;
         assert_eq!(
             (loads, stores),
             (counted, counted),

@@ -250,8 +250,9 @@ impl<'a> Forward<'a> {
     ///
     /// - `Rows`: one product over the stack, `transpose(W . x^T)` with the weight as the left
     ///   operand of `dot_general`, which IREE compiles without transposing the weight per
-    ///   call (see IREE-NOTES); the decode step's row on Vulkan in kvsnap's `matvec` kernel
-    ///   where it takes it ([`Forward::spirv_matvec`]).
+    ///   call (see IREE-NOTES); on Vulkan the decode step's row in kvsnap's `matvec` kernel
+    ///   and a chunk's rows in its `matmul`, where they take them ([`Forward::spirv_matvec`],
+    ///   [`Forward::spirv_matmul`]).
     /// - `Panels`: the decode step's row as one [`Forward::panel_matvec`] over the stack; a
     ///   chunk of rows as one [`Forward::panel_matmul`] per part, over its panels (a slice of
     ///   the argument, which IREE reads in place). One `mmt4d` over the stack would need its
@@ -296,13 +297,19 @@ impl<'a> Forward<'a> {
             });
         }
         let y = match self.opts.layout {
-            WeightLayout::Rows => match self.spirv_matvec_fits(c, w.dims()[1]) {
-                Some(kernels) => self.spirv_matvec(kernels.matvec.name, w, x),
-                None => {
-                    let t = self.b.dot_general(w, x, &DotDims::contract(1, 1)); // [rows, C]
-                    self.b.transpose(&t, &[1, 0])
+            WeightLayout::Rows => {
+                match (
+                    self.spirv_matvec_fits(c, w.dims()[1]),
+                    self.spirv_matmul_fits(x, w),
+                ) {
+                    (Some(kernels), _) => self.spirv_matvec(kernels.matvec.name, w, x),
+                    (None, Some(kernels)) => self.spirv_matmul(kernels.matmul.name, w, x),
+                    (None, None) => {
+                        let t = self.b.dot_general(w, x, &DotDims::contract(1, 1)); // [rows, C]
+                        self.b.transpose(&t, &[1, 0])
+                    }
                 }
-            },
+            }
             WeightLayout::Panels if object => self.object_matmul(w, x),
             WeightLayout::Panels => {
                 let v = self.b.reshape(x, &[x.dims()[1]]);
@@ -805,6 +812,41 @@ impl<'a> Forward<'a> {
         self.opts.spirv_kernels.filter(|_| fits)
     }
 
+    /// The SPIR-V kernels of a chunk's product `x . m^T` ([`Forward::spirv_matmul`]), with
+    /// [`GraphOptions::spirv_kernels`]: chunks of more than one row, the matrices in rows,
+    /// their rows a multiple of 4 long, and at most [`kernels::SPIRV_MAX_GROUPS`] tiles each
+    /// way.
+    fn spirv_matmul_fits(&self, x: &Value, m: &Value) -> Option<SpirvKernels> {
+        let [c, n, k] = [x.dims()[0], m.dims()[0], m.dims()[1]];
+        let [tile_c, tile_n] = kernels::SPIRV_MATMUL_TILE;
+        let fits = c > 1
+            && self.opts.layout == WeightLayout::Rows
+            && k.is_multiple_of(4)
+            && c.div_ceil(tile_c) <= kernels::SPIRV_MAX_GROUPS
+            && n.div_ceil(tile_n) <= kernels::SPIRV_MAX_GROUPS;
+        self.opts.spirv_kernels.filter(|_| fits)
+    }
+
+    /// `x . m^T` for a chunk's rows `x` (`[c, k]`) and a matrix `m` in rows (`[n, k]`), in one
+    /// dispatch of the SPIR-V kernel `object` (`matmul`): a workgroup every tile of
+    /// [`kernels::SPIRV_MATMUL_TILE`]. `[c, n]`.
+    fn spirv_matmul(&mut self, object: &str, m: &Value, x: &Value) -> Value {
+        let [c, n, k] = [x.dims()[0], m.dims()[0], m.dims()[1]];
+        let [tile_c, tile_n] = kernels::SPIRV_MATMUL_TILE;
+        let [y]: [Value; 1] = self
+            .b
+            .dispatch_spirv(
+                object,
+                [n.div_ceil(tile_n), c.div_ceil(tile_c), 1],
+                &[c as u32, n as u32, k as u32],
+                (&[x, m], &[]),
+                &[TensorType::f32(&[c, n])],
+            )
+            .try_into()
+            .expect("one result");
+        y
+    }
+
     /// The SPIR-V kernels of a chunk's norms ([`Forward::spirv_embed_norm`]), with
     /// [`GraphOptions::spirv_kernels`]: the decode step's row, hidden sizes up to
     /// [`kernels::SPIRV_MAX_HIDDEN`].
@@ -821,15 +863,16 @@ impl<'a> Forward<'a> {
             .and(self.spirv_norm_fits(ch))
     }
 
-    /// The SPIR-V kernels of the tied head ([`Forward::spirv_head`]):
-    /// [`Forward::spirv_matvec_fits`] for the table's rows, a model without a final logit
-    /// softcap, and a vocabulary of at most [`kernels::SPIRV_MAX_GROUPS`] workgroups.
-    fn spirv_head_fits(&self, ch: &Chunk) -> Option<SpirvKernels> {
+    /// The SPIR-V kernels of the tied head ([`Forward::spirv_head`]), which takes one row (a
+    /// chunk's last valid one): [`Forward::spirv_matvec_fits`] for the table's rows, a model
+    /// without a final logit softcap, and a vocabulary of at most
+    /// [`kernels::SPIRV_MAX_GROUPS`] workgroups.
+    fn spirv_head_fits(&self) -> Option<SpirvKernels> {
         let groups = self.cfg.vocab_size.div_ceil(kernels::SPIRV_HEAD_ROWS);
         let fits = self.opts.table_layout() == WeightLayout::Rows
             && self.cfg.final_logit_softcapping.is_none()
             && groups <= kernels::SPIRV_MAX_GROUPS;
-        self.spirv_matvec_fits(ch.c, self.cfg.hidden_size)
+        self.spirv_matvec_fits(1, self.cfg.hidden_size)
             .filter(|_| fits)
     }
 
@@ -1637,7 +1680,7 @@ impl<'a> Forward<'a> {
         self.b.reshape(&h, &[hidden])
     }
 
-    /// Final norm, tied head and greedy argmax of the last valid row; the decode step's on
+    /// Final norm, tied head and greedy argmax of the last valid row; the head and argmax on
     /// Vulkan in one dispatch of kvsnap's kernel ([`Forward::spirv_head`]).
     ///
     /// # Shapes
@@ -1645,7 +1688,7 @@ impl<'a> Forward<'a> {
     /// `logits: [vocab]`.
     pub fn head(&mut self, ch: &Chunk, x: &Hidden, norm: &Value, embed: &Value) -> (Value, Value) {
         let h = self.final_norm(ch, x, norm);
-        match self.spirv_head_fits(ch) {
+        match self.spirv_head_fits() {
             Some(kernels) => self.spirv_head(kernels.head.name, embed, &h),
             None => self.tied_head(embed, &h),
         }

@@ -178,8 +178,8 @@ pub struct GraphOptions {
     /// Run the decode step in kvsnap's SPIR-V kernels ([`SpirvKernels`]): the embedding's
     /// norm, the layers' products, attention (with its q/k norms, RoPE and K/V row writes),
     /// GeGLU and residual norms, six dispatches a layer instead of IREE's eighteen, and the
-    /// head with its argmax. For Vulkan modules, where this build compiled the kernels
-    /// ([`kernels::spirv_kernels`]).
+    /// head with its argmax; and the chunks' products and head. For Vulkan modules, where
+    /// this build compiled the kernels ([`kernels::spirv_kernels`]).
     pub spirv_kernels: Option<SpirvKernels>,
     /// Where the chunk has few query rows, take the scores with the keys as the product's
     /// output rows and the weighted values in blocks of keys (`Forward::attend_blocked`): IREE
