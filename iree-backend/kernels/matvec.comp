@@ -202,7 +202,7 @@ void main() {
   if (last_to_finish()) {
     memoryBarrierBuffer();
 #ifdef ADD_NORM
-    add_norm(pc.n, uintBitsToFloat(pc.eps_bits));
+    add_norm(pc.n, uintBitsToFloat(pc.eps_bits), 0);
 #else
     argmax_of_groups();
 #endif

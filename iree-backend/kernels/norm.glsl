@@ -1,7 +1,7 @@
 // RMS norms for one workgroup of THREADS threads, each holding the dims t, t + THREADS, ...
 // of an n-dim row (at most NORM_PER_THREAD of them) in registers: the sums of squares meet
 // by a tree in shared memory. The including shader declares THREADS, and the buffers w_h
-// (the norm's weights, read), sum and h (written), each of n floats.
+// (the norm's weights, n floats, read), sum and h (written; the row at `base`).
 
 // The norms take n <= THREADS * NORM_PER_THREAD (3072) dims.
 #define NORM_PER_THREAD 24
@@ -32,8 +32,8 @@ float inv_rms(float xs[NORM_PER_THREAD], uint n, float eps) {
 }
 
 // The row `xs` into `sum`, and normed by w_h, xs / sqrt(mean(xs^2) + eps) * (1 + w_h), into
-// `h`, as the graph's rms_norm.
-void store_normed(float xs[NORM_PER_THREAD], uint n, float eps) {
+// `h`, as the graph's rms_norm: each at `base`.
+void store_normed(float xs[NORM_PER_THREAD], uint n, float eps, uint base) {
   const uint t = gl_LocalInvocationID.x;
   float whs[NORM_PER_THREAD];
   for (uint u = 0; u < NORM_PER_THREAD; ++u) {
@@ -44,8 +44,8 @@ void store_normed(float xs[NORM_PER_THREAD], uint n, float eps) {
   for (uint u = 0; u < NORM_PER_THREAD; ++u) {
     const uint d = t + u * THREADS;
     if (d < n) {
-      sum[d] = xs[u];
-      h[d] = xs[u] * inv_h * (1.0 + whs[u]);
+      sum[base + d] = xs[u];
+      h[base + d] = xs[u] * inv_h * (1.0 + whs[u]);
     }
   }
 }

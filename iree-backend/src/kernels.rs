@@ -34,8 +34,10 @@
 //! the residual), where IREE's took three and four; the embedding's scale and first norm in
 //! one (`embed_norm.comp`), and the tied head with its argmax in one (`matvec.comp`, whose
 //! last workgroup takes the token from each workgroup's best). A chunk's products run in
-//! `matmul.comp` (tiles of 32 chunk rows by 32 matrix rows staged in shared memory), its head
-//! in the step's. Each dispatch is a drain of the queue before the next.
+//! `matmul.comp` (tiles of 32 chunk rows by 32 matrix rows staged in shared memory), its
+//! residuals with their norms and its embedding rows' norm a workgroup a row
+//! (`add_norm_rows.comp`, `embed_norm.comp`), its head in the step's. Each dispatch is a
+//! drain of the queue before the next.
 
 use std::sync::OnceLock;
 
@@ -148,9 +150,12 @@ pub const SPIRV_COUNTERS: usize = 1;
 ///   that finishes last runs the residual;
 /// - `geglu_down_norm` is `matvec_norm` with `geglu_down`'s product: `v` the gate/up row
 ///   (`[1, 2 * k]`), `m` the down matrix;
-/// - `embed_norm` takes the step's embedding row (`[1, n]`) and the first layer's input norm
-///   (`[n]`), with the push constants `n, eps bits, scale bits`, one workgroup, and returns
-///   the row scaled (the first residual) and that normed (`[1, n]` each);
+/// - `embed_norm` takes the chunk's embedding rows (`[c, n]`) and the first layer's input
+///   norm (`[n]`), with the push constants `n, eps bits, scale bits`, a workgroup a row, and
+///   returns the rows scaled (the first residual) and those normed (`[c, n]` each);
+/// - `add_norm_rows` takes a chunk's residual `x` and a layer half's output `a` (`[c, n]`
+///   each) and two norms' weights (`[n]` each), with the push constants `n, eps bits`, a
+///   workgroup a row, and returns `x + rms_norm(a, w_a)` and that sum normed by `w_h`;
 /// - `head` takes the final norm's row `v` (`[1, k]`), the tied table `m` (`[n, k]`, rows)
 ///   and the counters (in place), with the push constants `n, k`, a workgroup every
 ///   [`SPIRV_HEAD_ROWS`] rows, and returns the logits `m . v` (`[n]`), each workgroup's best
@@ -180,11 +185,13 @@ pub struct SpirvKernels {
     pub head: LinkedObject,
     /// A chunk's product.
     pub matmul: LinkedObject,
+    /// A chunk's residual and next norm.
+    pub add_norm_rows: LinkedObject,
 }
 
 impl SpirvKernels {
     /// The objects, each dispatch's executable.
-    pub fn objects(&self) -> [LinkedObject; 9] {
+    pub fn objects(&self) -> [LinkedObject; 10] {
         [
             self.split,
             self.merge,
@@ -195,12 +202,13 @@ impl SpirvKernels {
             self.embed_norm,
             self.head,
             self.matmul,
+            self.add_norm_rows,
         ]
     }
 }
 
 #[cfg(kvsnap_spirv_kernels)]
-const SPIRV: Option<[&[u8]; 9]> = Some([
+const SPIRV: Option<[&[u8]; 10]> = Some([
     include_bytes!(concat!(env!("OUT_DIR"), "/attend_split.spv")),
     include_bytes!(concat!(env!("OUT_DIR"), "/attend_merge.spv")),
     include_bytes!(concat!(env!("OUT_DIR"), "/geglu_down.spv")),
@@ -210,14 +218,15 @@ const SPIRV: Option<[&[u8]; 9]> = Some([
     include_bytes!(concat!(env!("OUT_DIR"), "/embed_norm.spv")),
     include_bytes!(concat!(env!("OUT_DIR"), "/head.spv")),
     include_bytes!(concat!(env!("OUT_DIR"), "/matmul.spv")),
+    include_bytes!(concat!(env!("OUT_DIR"), "/add_norm_rows.spv")),
 ]);
 #[cfg(not(kvsnap_spirv_kernels))]
-const SPIRV: Option<[&[u8]; 9]> = None;
+const SPIRV: Option<[&[u8]; 10]> = None;
 
 /// The Vulkan decode step's kernels, when this build compiled them, each named by its
 /// content.
 pub fn spirv_kernels() -> Option<SpirvKernels> {
-    static NAMES: OnceLock<[String; 9]> = OnceLock::new();
+    static NAMES: OnceLock<[String; 10]> = OnceLock::new();
     let bytes = SPIRV?;
     let names = NAMES.get_or_init(|| {
         let kinds = [
@@ -230,17 +239,19 @@ pub fn spirv_kernels() -> Option<SpirvKernels> {
             "embed_norm",
             "head",
             "matmul",
+            "add_norm_rows",
         ];
         std::array::from_fn(|i| {
             let tag = hex(&Sha256::digest(bytes[i])[..8]);
             format!("kvsnap_{}_{tag}.spv", kinds[i])
         })
     });
-    let [split, merge, geglu_down, geglu_down_norm, matvec, matvec_norm, embed_norm, head, matmul] =
-        std::array::from_fn(|i| LinkedObject {
-            name: &names[i],
-            bytes: bytes[i],
-        });
+    let objects: [LinkedObject; 10] = std::array::from_fn(|i| LinkedObject {
+        name: &names[i],
+        bytes: bytes[i],
+    });
+    let [split, merge, geglu_down, geglu_down_norm, matvec, matvec_norm, embed_norm, head, matmul, add_norm_rows] =
+        objects;
     Some(SpirvKernels {
         split,
         merge,
@@ -251,6 +262,7 @@ pub fn spirv_kernels() -> Option<SpirvKernels> {
         embed_norm,
         head,
         matmul,
+        add_norm_rows,
     })
 }
 

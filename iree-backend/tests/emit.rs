@@ -1346,7 +1346,9 @@ fn vulkan_attends_few_query_rows_in_blocks_of_keys() {
 /// from one of `head`, no IREE product of the table. `matvec_norm`, `geglu_down_norm` and
 /// `head` count their workgroups on the module's counters (a global, loaded before and
 /// stored after each dispatch, in place). A chunk's four products a layer are one dispatch
-/// each of `matmul`, its head one of `head`; the rest of a chunk is IREE's code.
+/// each of `matmul`, its residuals with their norms one each of `add_norm_rows` (the last
+/// layer's with the final norm), its embedding rows' norm one of `embed_norm` and its head
+/// one of `head`; its attention is IREE's code.
 #[test]
 fn vulkan_decode_steps_run_the_spirv_kernels() {
     use kvsnap_iree::kernels::{SpirvKernels, SPIRV_SPLIT_ROWS};
@@ -1363,6 +1365,7 @@ fn vulkan_decode_steps_run_the_spirv_kernels() {
         embed_norm: object("test_embed_norm.spv"),
         head: object("test_head.spv"),
         matmul: object("test_matmul.spv"),
+        add_norm_rows: object("test_add_norm_rows.spv"),
     };
     let opts = GraphOptions {
         spirv_kernels: Some(kernels),
@@ -1379,6 +1382,7 @@ fn vulkan_decode_steps_run_the_spirv_kernels() {
         kernels.embed_norm,
         kernels.head,
         kernels.matmul,
+        kernels.add_norm_rows,
     ];
     assert_eq!(g.objects, all);
     let counters = "@kvsnap_counters";
@@ -1446,8 +1450,31 @@ fn vulkan_decode_steps_run_the_spirv_kernels() {
             .count();
         assert_eq!(table_products, 0, "{}: IREE's head", e.name);
         if e.chunk > 1 {
-            // Each layer's four products in `matmul`, and the head; IREE's code the rest.
+            // Each layer's four products in `matmul`, its two residuals with their norms in
+            // `add_norm_rows`, the embedding rows' norm and the head; IREE's code the rest.
             let c = e.chunk;
+            let rows = format!("tensor<{c}x{h}xf32>");
+            let norm = format!("tensor<{h}xf32>");
+            let residuals =
+                format!("(i32, i32, {rows}, {rows}, {norm}, {norm}) -> ({rows}, {rows})\n");
+            assert_eq!(
+                body.matches(&residuals).count(),
+                2 * layers,
+                "{}: residuals",
+                e.name
+            );
+            let embed_norm = format!("(i32, i32, i32, {rows}, {norm}) -> ({rows}, {rows})\n");
+            assert_eq!(
+                body.matches(&embed_norm).count(),
+                1,
+                "{}: embed_norm",
+                e.name
+            );
+            let row_norms = body
+                .lines()
+                .filter(|l| l.contains(&format!("{{dimensions = [1]}} : ({rows}, tensor<f32>)")))
+                .count();
+            assert_eq!(row_norms, 0, "{}: IREE's norms of the rows", e.name);
             for (n, k) in [(qkv, h), (h, heads), (2 * ffn, h), (h, ffn)] {
                 let product = format!(
                     "(i32, i32, i32, tensor<{c}x{k}xf32>, tensor<{n}x{k}xf32>) -> (tensor<{c}x{n}xf32>)\n"
@@ -1463,7 +1490,7 @@ fn vulkan_decode_steps_run_the_spirv_kernels() {
                 body.matches(r#"path = "test_matmul.spv""#).count(),
                 4 * layers
             );
-            assert_eq!(externs, 4 * layers + 1, "{}", e.name);
+            assert_eq!(externs, 6 * layers + 2, "{}", e.name);
             continue;
         }
         steps_seen += e.steps;

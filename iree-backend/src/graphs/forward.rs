@@ -198,13 +198,12 @@ pub(super) struct Chunk {
     row_valid: Value,
 }
 
-/// The decoder layers' output: the last residual, and its row normed by the final norm where
-/// the last layer's kernel ran that norm too (the decode step's, on Vulkan:
-/// [`GraphOptions::spirv_kernels`]).
+/// The decoder layers' output: the last residual, and its rows normed by the final norm where
+/// the last layer's kernel ran that norm too (on Vulkan: [`GraphOptions::spirv_kernels`]).
 pub(super) struct Hidden {
     /// `[C, hidden]`.
     pub x: Value,
-    /// `[1, hidden]`.
+    /// `[C, hidden]`.
     pub final_normed: Option<Value>,
 }
 
@@ -772,7 +771,7 @@ impl<'a> Forward<'a> {
             }
             None => {
                 let a = self.linear(&w.o_proj, &o, self.cfg.hidden_size);
-                self.residual((x, &a), (post_attention, Some(pre_ffn)))
+                self.residual(ch, (x, &a), (post_attention, Some(pre_ffn)))
             }
         };
         let h = h.expect("the MLP's normed input");
@@ -786,18 +785,24 @@ impl<'a> Forward<'a> {
             }
             _ => {
                 let m = self.mlp(w, &h);
-                self.residual((&x, &m), (post_ffn, next_norm))
+                self.residual(ch, (&x, &m), (post_ffn, next_norm))
             }
         };
         (x, h, k_buf, v_buf)
     }
 
-    /// `x + rms_norm(a, norm)` and, with `next`, that sum normed by `next`.
+    /// `x + rms_norm(a, norm)` and, with `next`, that sum normed by `next`: in one dispatch
+    /// of kvsnap's kernel on Vulkan ([`Forward::spirv_add_norm`]).
     fn residual(
         &mut self,
+        ch: &Chunk,
         (x, a): (&Value, &Value),
         (norm, next): (&Value, Option<&Value>),
     ) -> (Value, Option<Value>) {
+        if let (Some(kernels), Some(next)) = (self.spirv_norm_fits(ch), next) {
+            let (x, h) = self.spirv_add_norm(kernels.add_norm_rows.name, (x, a), (norm, next));
+            return (x, Some(h));
+        }
         let a = self.rms_norm(a, norm);
         let x = self.b.add(x, &a);
         let h = next.map(|w| self.rms_norm(&x, w));
@@ -847,17 +852,42 @@ impl<'a> Forward<'a> {
         y
     }
 
-    /// The SPIR-V kernels of a chunk's norms ([`Forward::spirv_embed_norm`]), with
-    /// [`GraphOptions::spirv_kernels`]: the decode step's row, hidden sizes up to
-    /// [`kernels::SPIRV_MAX_HIDDEN`].
+    /// The SPIR-V kernels of a chunk's norms, a workgroup a row
+    /// ([`Forward::spirv_embed_norm`], [`Forward::spirv_add_norm`]), with
+    /// [`GraphOptions::spirv_kernels`]: hidden sizes up to [`kernels::SPIRV_MAX_HIDDEN`].
     fn spirv_norm_fits(&self, ch: &Chunk) -> Option<SpirvKernels> {
-        let fits = ch.c == 1 && self.cfg.hidden_size <= kernels::SPIRV_MAX_HIDDEN;
+        let fits =
+            self.cfg.hidden_size <= kernels::SPIRV_MAX_HIDDEN && ch.c <= kernels::SPIRV_MAX_GROUPS;
         self.opts.spirv_kernels.filter(|_| fits)
     }
 
+    /// `x + rms_norm(a, norm)` and that sum normed by `next`, in one dispatch of the SPIR-V
+    /// kernel `object` (`add_norm_rows`), a workgroup a row. `[C, hidden]` each.
+    fn spirv_add_norm(
+        &mut self,
+        object: &str,
+        (x, a): (&Value, &Value),
+        (norm, next): (&Value, &Value),
+    ) -> (Value, Value) {
+        let (c, n) = (x.dims()[0], self.cfg.hidden_size);
+        let eps = (self.cfg.rms_norm_eps as f32).to_bits();
+        let [sum, normed]: [Value; 2] = self
+            .b
+            .dispatch_spirv(
+                object,
+                [c, 1, 1],
+                &[n as u32, eps],
+                (&[x, a, norm, next], &[]),
+                &[x.ty.clone(), x.ty.clone()],
+            )
+            .try_into()
+            .expect("the sum and its norm");
+        (sum, normed)
+    }
+
     /// The SPIR-V kernels of a residual whose layer half ends in a product of `k`-long rows
-    /// ([`Forward::spirv_residual`]): [`Forward::spirv_matvec_fits`] and
-    /// [`Forward::spirv_norm_fits`].
+    /// in one dispatch ([`Forward::spirv_residual`]): [`Forward::spirv_matvec_fits`] (the
+    /// decode step's row) and [`Forward::spirv_norm_fits`].
     fn spirv_residual_fits(&self, ch: &Chunk, k: usize) -> Option<SpirvKernels> {
         self.spirv_matvec_fits(ch.c, k)
             .and(self.spirv_norm_fits(ch))
@@ -876,18 +906,18 @@ impl<'a> Forward<'a> {
             .filter(|_| fits)
     }
 
-    /// The first residual, the embedding row scaled ([`Forward::embed`]), and that normed by
-    /// `norm` (the first layer's input norm), in one dispatch of the SPIR-V kernel `object`
-    /// (`embed_norm`), one workgroup. `[1, hidden]` each.
+    /// The first residual, the embedding rows scaled ([`Forward::embed`]), and those normed
+    /// by `norm` (the first layer's input norm), in one dispatch of the SPIR-V kernel
+    /// `object` (`embed_norm`), a workgroup a row. `[C, hidden]` each.
     fn spirv_embed_norm(&mut self, object: &str, rows: &Value, norm: &Value) -> (Value, Value) {
-        let n = self.cfg.hidden_size;
+        let (c, n) = (rows.dims()[0], self.cfg.hidden_size);
         let eps = (self.cfg.rms_norm_eps as f32).to_bits();
         let scale = self.cfg.embed_scale().to_bits();
         let [x, h]: [Value; 2] = self
             .b
             .dispatch_spirv(
                 object,
-                [1, 1, 1],
+                [c, 1, 1],
                 &[n as u32, eps, scale],
                 (&[rows, norm], &[]),
                 &[rows.ty.clone(), rows.ty.clone()],
@@ -1000,8 +1030,8 @@ impl<'a> Forward<'a> {
 
     /// The decoder layers over the chunk's embedding rows `rows` (raw: scaled here), each
     /// with its K and V buffers in `kv` (K then V per layer); returns the last residual and
-    /// the updated buffers, in `kv`'s order. The decode step's kernels on Vulkan scale and
-    /// norm the row in one dispatch, and end the last layer in `final_norm` too
+    /// the updated buffers, in `kv`'s order. On Vulkan kvsnap's kernels scale and norm the
+    /// rows in one dispatch, and end the last layer in `final_norm` too
     /// ([`Hidden::final_normed`]).
     pub fn layers(
         &mut self,
@@ -1024,12 +1054,11 @@ impl<'a> Forward<'a> {
                 (x, h)
             }
         };
-        let ffn = self.cfg.intermediate_size;
         for (layer, w) in weights.iter().enumerate() {
             let input = h.take().expect("each layer's normed input");
             let next_norm = match weights.get(layer + 1) {
                 Some(next) => Some(&next.input_layernorm),
-                None => self.spirv_residual_fits(ch, ffn).map(|_| final_norm),
+                None => self.spirv_norm_fits(ch).map(|_| final_norm),
             };
             let buffers = (&kv[2 * layer], &kv[2 * layer + 1]);
             let (nx, nh, k, v) = self.layer((layer, w), ch, (&x, &input), next_norm, buffers);
@@ -1658,10 +1687,10 @@ impl<'a> Forward<'a> {
     /// Returns `[hidden]`.
     fn final_norm(&mut self, ch: &Chunk, x: &Hidden, norm: &Value) -> Value {
         let hidden = self.cfg.hidden_size;
-        if let Some(h) = &x.final_normed {
-            return self.b.reshape(h, &[hidden]);
-        }
-        let x = &x.x;
+        let (x, normed) = match &x.final_normed {
+            Some(h) => (h, true),
+            None => (&x.x, false),
+        };
         let h = if ch.c == 1 {
             x.clone()
         } else if self.opts.device_rows {
@@ -1676,7 +1705,7 @@ impl<'a> Forward<'a> {
             let last = self.b.tensor_of(&last);
             self.b.dynamic_slice(x, &[&last, &zero], &[1, hidden])
         };
-        let h = self.rms_norm(&h, norm);
+        let h = if normed { h } else { self.rms_norm(&h, norm) };
         self.b.reshape(&h, &[hidden])
     }
 
