@@ -17,7 +17,7 @@ use std::process::Command;
 const SOURCE: &str = "kernels/avx512.c";
 /// The shaders: each `(name, source, defines)` compiles `kernels/{source}.comp` with the
 /// preprocessor's `defines` to `OUT_DIR/{name}.spv`; and what they include.
-const SHADERS: [(&str, &str, &[&str]); 10] = [
+const SHADERS: [(&str, &str, &[&str]); 11] = [
     ("attend_split", "attend_split", &[]),
     ("attend_merge", "attend_merge", &[]),
     ("geglu_down", "matvec", &["GEGLU"]),
@@ -28,6 +28,7 @@ const SHADERS: [(&str, &str, &[&str]); 10] = [
     ("head", "matvec", &["ARGMAX"]),
     ("matmul", "matmul", &[]),
     ("add_norm_rows", "add_norm_rows", &[]),
+    ("attend_rows", "attend_rows", &[]),
 ];
 const SHADER_INCLUDES: [&str; 3] = [
     "kernels/exp.glsl",

@@ -33,11 +33,13 @@
 //! MLP's GeGLU and down product with theirs in one (`matvec.comp`, whose last workgroup runs
 //! the residual), where IREE's took three and four; the embedding's scale and first norm in
 //! one (`embed_norm.comp`), and the tied head with its argmax in one (`matvec.comp`, whose
-//! last workgroup takes the token from each workgroup's best). A chunk's products run in
-//! `matmul.comp` (tiles of 32 chunk rows by 32 matrix rows staged in shared memory), its
-//! residuals with their norms and its embedding rows' norm a workgroup a row
-//! (`add_norm_rows.comp`, `embed_norm.comp`), its head in the step's. Each dispatch is a
-//! drain of the queue before the next.
+//! last workgroup takes the token from each workgroup's best). A chunk's residuals with their
+//! norms and its embedding rows' norm run a workgroup a row (`add_norm_rows.comp`,
+//! `embed_norm.comp`), its head in the step's; for IREE's generic SPIR-V target its products
+//! too (`matmul.comp`, tiles of 32 chunk rows by 32 matrix rows staged in shared memory) and
+//! its attention (`attend_rows.comp`, a workgroup a row and key/value head, online over the
+//! visible rows), where a named GPU's module keeps IREE's code
+//! (`GraphOptions::spirv_chunks`). Each dispatch is a drain of the queue before the next.
 
 use std::sync::OnceLock;
 
@@ -156,6 +158,11 @@ pub const SPIRV_COUNTERS: usize = 1;
 /// - `add_norm_rows` takes a chunk's residual `x` and a layer half's output `a` (`[c, n]`
 ///   each) and two norms' weights (`[n]` each), with the push constants `n, eps bits`, a
 ///   workgroup a row, and returns `x + rms_norm(a, w_a)` and that sum normed by `w_h`;
+/// - `attend_rows` takes a chunk's queries (`[c, kv_heads, group, head_dim]`, normed and
+///   rotated), a layer's K and V buffers (the chunk's rows written), the ring's positions and
+///   `{first query position, end}`, with the push constants `kv_heads, group, head_dim, rows,
+///   window, scale bits, c`, workgroups `(c, kv_heads)`, and returns the attention `[kv_heads,
+///   c, group, head_dim]`;
 /// - `head` takes the final norm's row `v` (`[1, k]`), the tied table `m` (`[n, k]`, rows)
 ///   and the counters (in place), with the push constants `n, k`, a workgroup every
 ///   [`SPIRV_HEAD_ROWS`] rows, and returns the logits `m . v` (`[n]`), each workgroup's best
@@ -187,11 +194,13 @@ pub struct SpirvKernels {
     pub matmul: LinkedObject,
     /// A chunk's residual and next norm.
     pub add_norm_rows: LinkedObject,
+    /// A chunk's attention.
+    pub attend_rows: LinkedObject,
 }
 
 impl SpirvKernels {
     /// The objects, each dispatch's executable.
-    pub fn objects(&self) -> [LinkedObject; 10] {
+    pub fn objects(&self) -> [LinkedObject; 11] {
         [
             self.split,
             self.merge,
@@ -203,12 +212,13 @@ impl SpirvKernels {
             self.head,
             self.matmul,
             self.add_norm_rows,
+            self.attend_rows,
         ]
     }
 }
 
 #[cfg(kvsnap_spirv_kernels)]
-const SPIRV: Option<[&[u8]; 10]> = Some([
+const SPIRV: Option<[&[u8]; 11]> = Some([
     include_bytes!(concat!(env!("OUT_DIR"), "/attend_split.spv")),
     include_bytes!(concat!(env!("OUT_DIR"), "/attend_merge.spv")),
     include_bytes!(concat!(env!("OUT_DIR"), "/geglu_down.spv")),
@@ -219,14 +229,15 @@ const SPIRV: Option<[&[u8]; 10]> = Some([
     include_bytes!(concat!(env!("OUT_DIR"), "/head.spv")),
     include_bytes!(concat!(env!("OUT_DIR"), "/matmul.spv")),
     include_bytes!(concat!(env!("OUT_DIR"), "/add_norm_rows.spv")),
+    include_bytes!(concat!(env!("OUT_DIR"), "/attend_rows.spv")),
 ]);
 #[cfg(not(kvsnap_spirv_kernels))]
-const SPIRV: Option<[&[u8]; 10]> = None;
+const SPIRV: Option<[&[u8]; 11]> = None;
 
 /// The Vulkan decode step's kernels, when this build compiled them, each named by its
 /// content.
 pub fn spirv_kernels() -> Option<SpirvKernels> {
-    static NAMES: OnceLock<[String; 10]> = OnceLock::new();
+    static NAMES: OnceLock<[String; 11]> = OnceLock::new();
     let bytes = SPIRV?;
     let names = NAMES.get_or_init(|| {
         let kinds = [
@@ -240,17 +251,18 @@ pub fn spirv_kernels() -> Option<SpirvKernels> {
             "head",
             "matmul",
             "add_norm_rows",
+            "attend_rows",
         ];
         std::array::from_fn(|i| {
             let tag = hex(&Sha256::digest(bytes[i])[..8]);
             format!("kvsnap_{}_{tag}.spv", kinds[i])
         })
     });
-    let objects: [LinkedObject; 10] = std::array::from_fn(|i| LinkedObject {
+    let objects: [LinkedObject; 11] = std::array::from_fn(|i| LinkedObject {
         name: &names[i],
         bytes: bytes[i],
     });
-    let [split, merge, geglu_down, geglu_down_norm, matvec, matvec_norm, embed_norm, head, matmul, add_norm_rows] =
+    let [split, merge, geglu_down, geglu_down_norm, matvec, matvec_norm, embed_norm, head, matmul, add_norm_rows, attend_rows] =
         objects;
     Some(SpirvKernels {
         split,
@@ -263,6 +275,7 @@ pub fn spirv_kernels() -> Option<SpirvKernels> {
         head,
         matmul,
         add_norm_rows,
+        attend_rows,
     })
 }
 

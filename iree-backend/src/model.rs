@@ -324,7 +324,13 @@ impl IreeModel {
     /// [`IreeModel::load_config`] with `opts` already as [`crate::module::load_options`]
     /// gives them.
     fn load_resolved(dir: &Path, cfg: ModelConfig, opts: &IreeOptions) -> Result<Self> {
-        let g = model_graphs(&cfg, opts);
+        // The GPU the module is (to be) compiled for: its description's, or the compiler's.
+        let vulkan_target = match (&opts.module_dir, opts.target) {
+            (_, Target::LlvmCpu) => None,
+            (Some(module_dir), _) => crate::module::info(module_dir, opts.target)?.vulkan_target,
+            (None, _) => crate::compile::vulkan_target_from_env()?,
+        };
+        let g = model_graphs(&cfg, opts, vulkan_target.as_deref());
 
         // The device first: a machine without one fails fast, before a long compile. Devices and
         // modules stay resident for the process (see `crate::resident`).
@@ -833,8 +839,14 @@ impl IreeModel {
 /// those smaller than the context capacity, for [`IreeOptions::chosen_input`] (the other input
 /// in the decode step and the largest size). `kvsnap export` compiles exactly this. A chunk as
 /// large as the capacity would write the global layers' whole KV buffers, which IREE then
-/// replaces with new ones instead of updating them in place (a copy per call).
-pub fn model_graphs(cfg: &ModelConfig, opts: &IreeOptions) -> graphs::Graphs {
+/// replaces with new ones instead of updating them in place (a copy per call). A Vulkan module
+/// compiled for a named GPU (`vulkan_target`) keeps IREE's code for the chunks' products and
+/// attention ([`graphs::GraphOptions::spirv_chunks`]).
+pub fn model_graphs(
+    cfg: &ModelConfig,
+    opts: &IreeOptions,
+    vulkan_target: Option<&str>,
+) -> graphs::Graphs {
     let mut chunks = opts.chunks.clone();
     chunks.push(1);
     chunks.retain(|&c| c == 1 || c < cfg.context_capacity);
@@ -851,6 +863,8 @@ pub fn model_graphs(cfg: &ModelConfig, opts: &IreeOptions) -> graphs::Graphs {
         graph_opts.own_kernels = None;
         graph_opts.spirv_kernels = None;
     }
+    // IREE's code for a named GPU runs the chunks faster than kvsnap's kernels.
+    graph_opts.spirv_chunks &= vulkan_target.is_none();
     graphs::build(cfg, &chunks, graph_opts)
 }
 

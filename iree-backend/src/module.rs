@@ -139,7 +139,7 @@ pub fn export_with(
     progress: &mut dyn FnMut(&crate::compile::CompileProgress),
 ) -> Result<(crate::graphs::Graphs, crate::compile::Compiled)> {
     let target = opts.target;
-    let graphs = crate::model_graphs(cfg, opts);
+    let graphs = crate::model_graphs(cfg, opts, compiler.vulkan_target());
     let compiled = compiler.compile_tuned(
         &graphs.mlir,
         graphs.tuning_spec.as_deref(),

@@ -1347,8 +1347,9 @@ fn vulkan_attends_few_query_rows_in_blocks_of_keys() {
 /// `head` count their workgroups on the module's counters (a global, loaded before and
 /// stored after each dispatch, in place). A chunk's four products a layer are one dispatch
 /// each of `matmul`, its residuals with their norms one each of `add_norm_rows` (the last
-/// layer's with the final norm), its embedding rows' norm one of `embed_norm` and its head
-/// one of `head`; its attention is IREE's code.
+/// layer's with the final norm), its attention one of `attend_rows`, its embedding rows'
+/// norm one of `embed_norm` and its head one of `head`; the q/k norms, RoPE and the K/V
+/// rows' writes are IREE's code.
 #[test]
 fn vulkan_decode_steps_run_the_spirv_kernels() {
     use kvsnap_iree::kernels::{SpirvKernels, SPIRV_SPLIT_ROWS};
@@ -1366,6 +1367,7 @@ fn vulkan_decode_steps_run_the_spirv_kernels() {
         head: object("test_head.spv"),
         matmul: object("test_matmul.spv"),
         add_norm_rows: object("test_add_norm_rows.spv"),
+        attend_rows: object("test_attend_rows.spv"),
     };
     let opts = GraphOptions {
         spirv_kernels: Some(kernels),
@@ -1383,6 +1385,7 @@ fn vulkan_decode_steps_run_the_spirv_kernels() {
         kernels.head,
         kernels.matmul,
         kernels.add_norm_rows,
+        kernels.attend_rows,
     ];
     assert_eq!(g.objects, all);
     let counters = "@kvsnap_counters";
@@ -1490,7 +1493,20 @@ fn vulkan_decode_steps_run_the_spirv_kernels() {
                 body.matches(r#"path = "test_matmul.spv""#).count(),
                 4 * layers
             );
-            assert_eq!(externs, 6 * layers + 2, "{}", e.name);
+            let (kvh, g, hd) = (cfg.num_key_value_heads, cfg.group_size(), cfg.head_dim);
+            let attention =
+                format!("(i32, i32, i32, i32, i32, i32, i32, tensor<{c}x{kvh}x{g}x{hd}xf32>, ");
+            let out = format!("-> (tensor<{kvh}x{c}x{g}x{hd}xf32>)\n");
+            let attends = body
+                .lines()
+                .filter(|l| l.contains(&attention) && l.ends_with(&out[..out.len() - 1]))
+                .count();
+            assert_eq!(attends, layers, "{}: attention", e.name);
+            assert_eq!(
+                body.matches(r#"path = "test_attend_rows.spv""#).count(),
+                layers
+            );
+            assert_eq!(externs, 7 * layers + 2, "{}", e.name);
             continue;
         }
         steps_seen += e.steps;
@@ -1597,6 +1613,29 @@ fn vulkan_decode_steps_run_the_spirv_kernels() {
         );
     }
     assert!(steps_seen > 16, "one-step and multi-step entry points");
+
+    // For a named GPU the chunks' products and attention are IREE's code, their norms and
+    // head still the kernels'; the steps are the same.
+    let named = graphs::build(
+        &cfg,
+        &[1, 8, 64],
+        GraphOptions {
+            spirv_chunks: false,
+            ..opts
+        },
+    );
+    for e in &named.manifest.entry_points {
+        let body = function_of(&named.mlir, &e.name);
+        let externs = body.matches("hal.dispatch.extern").count();
+        let expected = match e.chunk {
+            1 => (6 * layers + 2) * e.steps,
+            _ => 2 * layers + 2,
+        };
+        assert_eq!(externs, expected, "{}: named GPU", e.name);
+        for kernel in ["test_matmul.spv", "test_attend_rows.spv"] {
+            assert!(!body.contains(kernel), "{}: {kernel}", e.name);
+        }
+    }
 }
 
 /// How many `hal.dispatch.extern` calls in `body` have the operand types `operands` and

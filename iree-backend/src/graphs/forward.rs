@@ -818,13 +818,15 @@ impl<'a> Forward<'a> {
     }
 
     /// The SPIR-V kernels of a chunk's product `x . m^T` ([`Forward::spirv_matmul`]), with
-    /// [`GraphOptions::spirv_kernels`]: chunks of more than one row, the matrices in rows,
+    /// [`GraphOptions::spirv_kernels`] and [`GraphOptions::spirv_chunks`]: chunks of more
+    /// than one row, the matrices in rows,
     /// their rows a multiple of 4 long, and at most [`kernels::SPIRV_MAX_GROUPS`] tiles each
     /// way.
     fn spirv_matmul_fits(&self, x: &Value, m: &Value) -> Option<SpirvKernels> {
         let [c, n, k] = [x.dims()[0], m.dims()[0], m.dims()[1]];
         let [tile_c, tile_n] = kernels::SPIRV_MATMUL_TILE;
         let fits = c > 1
+            && self.opts.spirv_chunks
             && self.opts.layout == WeightLayout::Rows
             && k.is_multiple_of(4)
             && c.div_ceil(tile_c) <= kernels::SPIRV_MAX_GROUPS
@@ -1139,7 +1141,8 @@ impl<'a> Forward<'a> {
                 window: 0,
             },
         };
-        let (k_buf, v_buf, o) = if let Some(objects) = self.spirv_attention_fits(c) {
+        let spirv = self.spirv_attention_fits(c);
+        let (k_buf, v_buf, o) = if let Some(objects) = spirv.filter(|_| c == 1) {
             let heads = SpirvHeads {
                 qk: &qk,
                 v: &v,
@@ -1157,7 +1160,9 @@ impl<'a> Forward<'a> {
             let k = self.zero_padding(&k, ch);
             let v = self.zero_padding(&v, ch);
             let (k_buf, v_buf) = self.write_rows(&k, &v, k_buf, v_buf, at.start);
-            let o = if self.object_attention_fits(c) {
+            let o = if let Some(kernels) = spirv.filter(|_| self.opts.spirv_chunks) {
+                self.spirv_attend_rows(kernels.attend_rows.name, &q, [&k_buf, &v_buf], ch, at)
+            } else if self.object_attention_fits(c) {
                 self.object_attend(&q, &k_buf, &v_buf, ch, at)
             } else {
                 match kind {
@@ -1217,13 +1222,16 @@ impl<'a> Forward<'a> {
             && heads_fit
     }
 
-    /// The SPIR-V attention kernels for a `c`-row chunk, with
-    /// [`GraphOptions::spirv_kernels`]: the decode step's one row, where the model has no
-    /// score soft-capping, at most [`kernels::SPIRV_MAX_GROUP`] query heads a key/value
-    /// head and head dims of at most [`kernels::SPIRV_MAX_HEAD_DIM`].
+    /// The SPIR-V attention kernels for a `c`-row chunk (the decode step's
+    /// [`Forward::spirv_attend`], a chunk's [`Forward::spirv_attend_rows`]), with
+    /// [`GraphOptions::spirv_kernels`]: where the model has no score soft-capping, at most
+    /// [`kernels::SPIRV_MAX_GROUP`] query heads a key/value head, head dims of at most
+    /// [`kernels::SPIRV_MAX_HEAD_DIM`] and at most [`kernels::SPIRV_MAX_GROUPS`] rows and
+    /// key/value heads.
     fn spirv_attention_fits(&self, c: usize) -> Option<SpirvKernels> {
         let cfg = self.cfg;
-        let fits = c == 1
+        let fits = c <= kernels::SPIRV_MAX_GROUPS
+            && cfg.num_key_value_heads <= kernels::SPIRV_MAX_GROUPS
             && cfg.attn_logit_softcapping.is_none()
             && cfg.group_size() <= kernels::SPIRV_MAX_GROUP
             && cfg.head_dim <= kernels::SPIRV_MAX_HEAD_DIM;
@@ -1303,6 +1311,38 @@ impl<'a> Forward<'a> {
             .try_into()
             .expect("one result");
         (self.b.reshape(&o, &[kvh, 1, g, hd]), [k_buf, v_buf])
+    }
+
+    /// A chunk's attention of `q` (`[C, kvh, g, hd]`, normed and rotated) over the first
+    /// `at.rows` rows of the layer's buffers (the chunk's rows written) in one dispatch of
+    /// the SPIR-V kernel `object` (`attend_rows`): a workgroup a row and key/value head, over
+    /// the rows its query sees in blocks, online, as the C kernel's (a sliding layer's rows
+    /// by the ring's positions, a global layer's up to the query). Returns `[kvh, C, g, hd]`,
+    /// as [`Forward::attend`].
+    fn spirv_attend_rows(
+        &mut self,
+        object: &str,
+        q: &Value,
+        [k_buf, v_buf]: [&Value; 2],
+        ch: &Chunk,
+        at: LayerRows,
+    ) -> Value {
+        let cfg = self.cfg;
+        let (kvh, g, hd) = (cfg.num_key_value_heads, cfg.group_size(), cfg.head_dim);
+        let scale = cfg.attn_scale().to_bits();
+        let constants = [kvh, g, hd, at.rows, at.window].map(|x| x as u32);
+        let [o]: [Value; 1] = self
+            .b
+            .dispatch_spirv(
+                object,
+                [ch.c, kvh, 1],
+                &[&constants[..], &[scale, ch.c as u32]].concat(),
+                (&[q, k_buf, v_buf, &ch.positions, &ch.bounds], &[]),
+                &[TensorType::f32(&[kvh, ch.c, g, hd])],
+            )
+            .try_into()
+            .expect("one result");
+        o
     }
 
     /// The decode step's attention of `q` (`[1, kvh, g, hd]`) over the layer's buffers by

@@ -178,9 +178,16 @@ pub struct GraphOptions {
     /// Run the decode step in kvsnap's SPIR-V kernels ([`SpirvKernels`]): the embedding's
     /// norm, the layers' products, attention (with its q/k norms, RoPE and K/V row writes),
     /// GeGLU and residual norms, six dispatches a layer instead of IREE's eighteen, and the
-    /// head with its argmax; and the chunks' products and head. For Vulkan modules, where
-    /// this build compiled the kernels ([`kernels::spirv_kernels`]).
+    /// head with its argmax; and the chunks' norms and head. For Vulkan modules, where this
+    /// build compiled the kernels ([`kernels::spirv_kernels`]).
     pub spirv_kernels: Option<SpirvKernels>,
+    /// With [`GraphOptions::spirv_kernels`], run the chunks' products and attention in them
+    /// too (`matmul`, `attend_rows`): for IREE's generic SPIR-V target, whose own code for
+    /// them is slow (on an H100 a 64-row extend took 40.1 ms with it, 14.6 with the kernels,
+    /// the catalog's prefix 517 against 94 ms). A module compiled for a named GPU
+    /// (`--iree-vulkan-target`) keeps IREE's code there, the faster (`ampere`: the extend
+    /// 8.9 against 13.7 ms; docs/BENCHMARKS.md, forty-eighth pass).
+    pub spirv_chunks: bool,
     /// Where the chunk has few query rows, take the scores with the keys as the product's
     /// output rows and the weighted values in blocks of keys (`Forward::attend_blocked`): IREE
     /// distributes a product over its batch and output dims only, and a few query rows'
@@ -215,6 +222,7 @@ impl GraphOptions {
             input: Input::Ids,
             own_kernels: kernels::kernel_object(),
             spirv_kernels: None,
+            spirv_chunks: false,
             key_blocks: false,
             device_rows: false,
             decode_steps: 0,
@@ -231,6 +239,7 @@ impl GraphOptions {
             input: Input::Embeddings,
             own_kernels: None,
             spirv_kernels: kernels::spirv_kernels(),
+            spirv_chunks: true,
             key_blocks: true,
             device_rows: true,
             decode_steps: DECODE_STEPS,
