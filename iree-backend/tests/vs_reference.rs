@@ -629,6 +629,53 @@ fn argmax_with_planted_maxima_on_every_target() {
     }
 }
 
+/// A Vulkan module compiled for a named GPU keeps IREE's code for the chunks' products and
+/// attention (`GraphOptions::spirv_chunks`), with kvsnap's norms and head around them: the
+/// tiny model exported for `vp_android_baseline_2022` (an Android profile lavapipe runs) and
+/// loaded from its directory, whose description names the target, matches the reference
+/// through prefills, extends and steps as the generic module does.
+#[test]
+fn vulkan_module_for_a_named_gpu_matches_the_reference() {
+    let Some(compiler) = compiler() else {
+        return;
+    };
+    let compiler = compiler
+        .with_vulkan_target(Some("vp_android_baseline_2022"))
+        .unwrap();
+    let dir = std::env::temp_dir().join(format!("kvsnap-iree-named-{}", std::process::id()));
+    write_model(&dir, Preset::Tiny, DEFAULT_SEED).expect("tiny model");
+    let cfg = kvsnap_contract::ModelConfig::from_dir(&dir, None).unwrap();
+    let opts = IreeOptions {
+        target: Target::VulkanSpirv,
+        ..IreeOptions::cpu()
+    };
+    let module_dir = dir.join("module");
+    kvsnap_iree::module::export_with(&compiler, &module_dir, &cfg, &opts, &mut |_| {}).unwrap();
+    let info = kvsnap_iree::module::info(&module_dir, Target::VulkanSpirv).unwrap();
+    assert_eq!(info.vulkan_target.as_deref(), Some("vp_android_baseline_2022"));
+    let mlir = std::fs::read_to_string(module_dir.join("kvsnap.vulkan-spirv.mlir")).unwrap();
+    if kvsnap_iree::kernels::spirv_kernels().is_some() {
+        assert!(mlir.contains("kvsnap_add_norm_rows_"), "the chunks' norms are kvsnap's");
+    }
+    assert!(!mlir.contains("kvsnap_matmul_"), "the chunks' products are IREE's");
+    assert!(!mlir.contains("kvsnap_attend_rows_"), "the chunks' attention is IREE's");
+    let opts = IreeOptions {
+        module_dir: Some(module_dir),
+        ..opts
+    };
+    let iree = match IreeModel::load(&dir, &opts) {
+        Ok(m) => m,
+        Err(e) if e.kind() == "unsupported" => {
+            eprintln!("SKIPPED: no Vulkan device ({e})");
+            return;
+        }
+        Err(e) => panic!("IREE model for a named GPU: {e}"),
+    };
+    let reference = ReferenceModel::load(&dir).unwrap();
+    prefill_extend_step_match_the_reference(&Pair { iree, reference });
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 /// The decode step's tied head on Vulkan in kvsnap's SPIR-V kernel (`head`: the logits and
 /// the token in one dispatch) on planted tables, `h` the first unit row so that each logit is
 /// exactly its row's first weight: the token as `kvsnap_contract::argmax` with maxima at
