@@ -652,13 +652,25 @@ fn vulkan_module_for_a_named_gpu_matches_the_reference() {
     let module_dir = dir.join("module");
     kvsnap_iree::module::export_with(&compiler, &module_dir, &cfg, &opts, &mut |_| {}).unwrap();
     let info = kvsnap_iree::module::info(&module_dir, Target::VulkanSpirv).unwrap();
-    assert_eq!(info.vulkan_target.as_deref(), Some("vp_android_baseline_2022"));
+    assert_eq!(
+        info.vulkan_target.as_deref(),
+        Some("vp_android_baseline_2022")
+    );
     let mlir = std::fs::read_to_string(module_dir.join("kvsnap.vulkan-spirv.mlir")).unwrap();
     if kvsnap_iree::kernels::spirv_kernels().is_some() {
-        assert!(mlir.contains("kvsnap_add_norm_rows_"), "the chunks' norms are kvsnap's");
+        assert!(
+            mlir.contains("kvsnap_add_norm_rows_"),
+            "the chunks' norms are kvsnap's"
+        );
     }
-    assert!(!mlir.contains("kvsnap_matmul_"), "the chunks' products are IREE's");
-    assert!(!mlir.contains("kvsnap_attend_rows_"), "the chunks' attention is IREE's");
+    assert!(
+        !mlir.contains("kvsnap_matmul_"),
+        "the chunks' products are IREE's"
+    );
+    assert!(
+        !mlir.contains("kvsnap_attend_rows_"),
+        "the chunks' attention is IREE's"
+    );
     let opts = IreeOptions {
         module_dir: Some(module_dir),
         ..opts
