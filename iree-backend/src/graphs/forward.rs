@@ -819,9 +819,8 @@ impl<'a> Forward<'a> {
 
     /// The SPIR-V kernels of a chunk's product `x . m^T` ([`Forward::spirv_matmul`]), with
     /// [`GraphOptions::spirv_kernels`] and [`GraphOptions::spirv_chunks`]: chunks of more
-    /// than one row, the matrices in rows,
-    /// their rows a multiple of 4 long, and at most [`kernels::SPIRV_MAX_GROUPS`] tiles each
-    /// way.
+    /// than one row, the matrices in rows, their rows a multiple of 4 long, and at most
+    /// [`kernels::SPIRV_MAX_GROUPS`] tiles each way.
     fn spirv_matmul_fits(&self, x: &Value, m: &Value) -> Option<SpirvKernels> {
         let [c, n, k] = [x.dims()[0], m.dims()[0], m.dims()[1]];
         let [tile_c, tile_n] = kernels::SPIRV_MATMUL_TILE;
