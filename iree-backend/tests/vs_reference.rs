@@ -720,7 +720,7 @@ fn spirv_head_matches_the_contract_argmax_on_planted_tables() {
     for (vocab, hidden) in [(262_144, 8), (1003, 12)] {
         let mut cfg = config(Preset::RealShapes);
         (cfg.vocab_size, cfg.hidden_size) = (vocab, hidden);
-        let (mlir, objects) = head_module(&cfg, Some(kernels));
+        let (mlir, objects) = head_module(&cfg, kernels);
         let target = Target::VulkanSpirv;
         let compiled = compiler.compile_tuned(&mlir, None, &objects, target, &mut |_| {});
         let session = Session::new(&device, &compiled.unwrap().vmfb).unwrap();

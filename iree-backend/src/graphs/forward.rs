@@ -1768,7 +1768,7 @@ impl<'a> Forward<'a> {
     /// # Shapes
     /// `embed`: the table in [`GraphOptions::table_layout`]; `h`: `[hidden]`; returns
     /// `next: []` i32 and `logits: [vocab]`.
-    pub fn tied_head(&mut self, embed: &Value, h: &Value) -> (Value, Value) {
+    fn tied_head(&mut self, embed: &Value, h: &Value) -> (Value, Value) {
         let hidden = self.cfg.hidden_size;
         let vocab = self.cfg.vocab_size;
         let mut logits = match self.opts.table_layout() {

@@ -357,10 +357,7 @@ pub fn build(cfg: &ModelConfig, chunks: &[usize], opts: GraphOptions) -> Graphs 
     // Each of its dispatches carries its own executable (`hal.dispatch.extern`).
     objects.extend(opts.spirv_kernels.iter().flat_map(|k| k.objects()));
     if opts.spirv_kernels.is_some() {
-        module.push_global(
-            kernels::SPIRV_COUNTERS_GLOBAL,
-            &TensorType::i32(&[kernels::SPIRV_COUNTERS]),
-        );
+        push_spirv_counters(&mut module);
     }
     let mut entry_points = Vec::new();
     let largest = *chunks.last().unwrap();
@@ -482,15 +479,21 @@ pub fn argmax_module(cfg: &ModelConfig) -> String {
     module.text()
 }
 
+/// Declares the counters the SPIR-V kernels' last workgroups count on
+/// ([`kernels::SPIRV_COUNTERS_GLOBAL`]) in `module`.
+fn push_spirv_counters(module: &mut Module) {
+    module.push_global(
+        kernels::SPIRV_COUNTERS_GLOBAL,
+        &TensorType::i32(&[kernels::SPIRV_COUNTERS]),
+    );
+}
+
 /// A module `@head(table, h) -> (tensor<i32>, tensor<vocab x f32>)` holding the tied head
 /// alone after the final norm (`h: [hidden]` the normalised row, the f32 table in rows): the
-/// greedy token and the logits, for Vulkan, to test them with planted tables. In kvsnap's
-/// SPIR-V kernel where `spirv_kernels` is given (the decode step's head: the module then
-/// links its objects, returned with the text), else in IREE's code.
-pub fn head_module(
-    cfg: &ModelConfig,
-    spirv_kernels: Option<SpirvKernels>,
-) -> (String, Vec<LinkedObject>) {
+/// greedy token and the logits, for Vulkan, to test them with planted tables: the decode
+/// step's head, in the kernels' `head` (the module links their objects, returned with the
+/// text).
+pub fn head_module(cfg: &ModelConfig, kernels: SpirvKernels) -> (String, Vec<LinkedObject>) {
     let mut b = FuncBuilder::new("head");
     let table = b.arg(TensorType::f32(&[cfg.vocab_size, cfg.hidden_size]));
     let h = b.arg(TensorType::f32(&[cfg.hidden_size]));
@@ -498,24 +501,16 @@ pub fn head_module(
         b,
         cfg,
         opts: GraphOptions {
-            spirv_kernels,
+            spirv_kernels: Some(kernels),
             ..GraphOptions::vulkan()
         },
         span: None,
     };
     let mut module = Module::new("head");
-    let (next, logits) = match spirv_kernels {
-        Some(kernels) => {
-            module.push_global(
-                kernels::SPIRV_COUNTERS_GLOBAL,
-                &TensorType::i32(&[kernels::SPIRV_COUNTERS]),
-            );
-            f.spirv_head(kernels.head.name, &table, &h)
-        }
-        None => f.tied_head(&table, &h),
-    };
+    push_spirv_counters(&mut module);
+    let (next, logits) = f.spirv_head(kernels.head.name, &table, &h);
     module.push(f.b.finish(&[&next, &logits]));
-    let objects = spirv_kernels.map_or(vec![], |k| k.objects().to_vec());
+    let objects = kernels.objects().to_vec();
     (module.text(), objects)
 }
 
